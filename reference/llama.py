@@ -1,0 +1,126 @@
+"""A whole Llama forward pass in NumPy over a paged KV cache: the engine's CPU backend and the GPU's oracle.
+
+One call runs any mix of sequences: each contributes a chunk of new tokens (a whole prompt, a piece of a
+long prompt, or the single token of a decode step) whose K and V are written into the cache before
+attention reads the sequence's full context back through its block table. So prefill, chunked prefill,
+prefix caching and batched decode are all the same code path.
+
+Per layer, for the T new tokens of the batch (x: the fp32 residual stream, (T, H)):
+
+    h = rmsnorm(x);  q, k, v = h @ Wqkv^T;  q, k = rope(q, k);  cache[slots] = bf16(k), bf16(v)
+    x = x + attention(q, cache) @ Wo^T
+    h = rmsnorm(x);  x = x + (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
+
+and logits = rmsnorm(x) @ Wlm^T for the rows in `logits_indices` only (the last token of each sequence).
+Weights are widened from bf16 to fp32 once, at construction, and fused (QKV, gate/up) so each projection is
+a single NumPy matmul for the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.activation import silu_and_mul
+from reference.bf16 import bf16_to_f32
+from reference.embedding import embedding
+from reference.kv_cache import allocate_kv_cache
+from reference.paged_attention import prefill_attention
+from reference.rmsnorm import rmsnorm
+from reference.rope import rope_kv_write, rope_tables
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward step needs; S sequences with T new tokens in all.
+
+    token_ids, positions, slot_mapping: (T,) for the new tokens, sequence by sequence.
+    cu_seqlens_q: (S+1,) offsets of each sequence's new tokens in those arrays.
+    context_lens: (S,) tokens in each sequence's cache after this step (cached prefix + new tokens).
+    block_tables: (S, max_blocks) block ids, -1 past the end.
+    logits_indices: rows of the T new tokens whose logits are wanted (usually each sequence's last).
+    """
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    cu_seqlens_q: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_indices: np.ndarray
+
+
+class PagedKVCache:
+    """Per-layer K and V block pools, (num_blocks, block_size, Hkv, d) bf16 each, NaN where unwritten."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.k = [allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(num_layers)]
+        self.v = [allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(num_layers)]
+
+
+class ReferenceLlama:
+    """The Llama forward in NumPy, from a ModelConfig and the bf16 weights of tinyvllm.weights.load_weights."""
+
+    def __init__(self, config, weights: dict[str, np.ndarray]):
+        self.config = config
+        f32 = bf16_to_f32
+        self.embed_tokens = weights["model.embed_tokens.weight"]  # stays bf16: only T rows are looked up
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "input_norm": weights[p + "input_layernorm.weight"],
+                "qkv": f32(np.concatenate([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+                "o": f32(weights[p + "self_attn.o_proj.weight"]),
+                "post_norm": weights[p + "post_attention_layernorm.weight"],
+                "gate_up": f32(np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])),
+                "down": f32(weights[p + "mlp.down_proj.weight"]),
+            })
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = f32(weights["lm_head.weight"])
+        self.cos, self.sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                         config.rope_scaling)
+        self.scale = config.head_dim ** -0.5
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> np.ndarray:
+        """Logits (len(logits_indices), vocab) float32; writes the new tokens' K and V into `kv`."""
+        c = self.config
+        t = len(batch.token_ids)
+        x = embedding(batch.token_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = rmsnorm(x, layer["input_norm"], c.rms_norm_eps)
+            qkv = h @ layer["qkv"].T
+            q = qkv[:, : c.q_size].reshape(t, c.num_heads, c.head_dim)
+            k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(t, c.num_kv_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim)
+            q = rope_kv_write(q, k, v, batch.positions, self.cos, self.sin, kv.k[i], kv.v[i], batch.slot_mapping)
+            attn = prefill_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.cu_seqlens_q,
+                                     batch.context_lens, self.scale)
+            x = x + attn.reshape(t, c.q_size) @ layer["o"].T
+            h = rmsnorm(x, layer["post_norm"], c.rms_norm_eps)
+            x = x + silu_and_mul(h @ layer["gate_up"].T) @ layer["down"].T
+        last = rmsnorm(x[batch.logits_indices], self.norm, c.rms_norm_eps)
+        return last @ self.lm_head.T
+
+
+def single_sequence_batch(token_ids, start: int, block_table: np.ndarray, block_size: int) -> ForwardBatch:
+    """A batch of one sequence whose new tokens `token_ids` sit at positions start, start+1, ...; logits of the last."""
+    n = len(token_ids)
+    positions = np.arange(start, start + n, dtype=np.int64)
+    slots = block_table[positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return ForwardBatch(
+        token_ids=np.asarray(token_ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        cu_seqlens_q=np.array([0, n]),
+        context_lens=np.array([start + n]),
+        block_tables=block_table[None, :],
+        logits_indices=np.array([n - 1]),
+    )

@@ -1,0 +1,55 @@
+"""Test settings shared by every test file.
+
+TINYVLLM_TEST_PROFILE selects where kernels run and how hard hypothesis looks:
+- "sim" (the default, what CI uses): Numba's CUDA simulator, tiny shapes, few examples;
+- "gpu": a real CUDA GPU, real shapes, more examples.
+The simulator has to be switched on before numba.cuda is first imported, hence this happens at the top.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+PROFILE = os.environ.get("TINYVLLM_TEST_PROFILE", "sim")
+if PROFILE not in ("sim", "gpu"):
+    raise RuntimeError(f"TINYVLLM_TEST_PROFILE must be 'sim' or 'gpu', got {PROFILE!r}")
+if PROFILE == "sim":
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    # Simulated threads are Python threads; switching between them more often makes barriers much cheaper.
+    sys.setswitchinterval(5e-4)
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("sim", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("gpu", max_examples=100, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(PROFILE)
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDENS = REPO / "tests" / "goldens"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The 'tiny' random Llama (2 layers, hidden 64, GQA 2:1, untied LM head, byte-level tokenizer)."""
+    from tinyvllm.random_model import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_model_dir(tmp_path_factory):
+    """The 'tiny-llama3' random Llama (llama3 rope scaling, GQA 4:1, tied embeddings)."""
+    from tinyvllm.random_model import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("tiny-llama3"), "tiny-llama3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model, converted once into the user cache (downloads 93 MB the first time)."""
+    from tinyvllm.default_model import default_model_dir as locate
+
+    return locate()

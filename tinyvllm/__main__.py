@@ -1,0 +1,5 @@
+import sys
+
+from tinyvllm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""Turning generated token ids into streamed text, with stop strings.
+
+A stop string may arrive split over several tokens, so text that could still grow into one is held back
+until it either completes the stop string (generation ends there, the stop string cut off) or cannot.
+"""
+
+from __future__ import annotations
+
+from tinyvllm.tokenizer import IncrementalDetokenizer
+
+
+class TextStream:
+    """Feeds token ids through an incremental detokenizer and watches for stop strings."""
+
+    def __init__(self, tokenizer, prompt_ids, stop: list[str], skip_special_tokens: bool = True):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._stop = list(stop)
+        self._pending = ""
+        self.text = ""          # everything released so far
+        self.stopped = False    # a stop string was found
+
+    def push(self, token_id: int) -> str:
+        """The text that is now safe to show after `token_id` (may be "")."""
+        return self._release(self._detok.push(token_id), final=False)
+
+    def finish(self) -> str:
+        """Whatever was held back, at the end of generation."""
+        return self._release(self._detok.flush(), final=True)
+
+    def _release(self, piece: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        self._pending += piece
+        for stop in self._stop:
+            at = self._pending.find(stop)
+            if at >= 0:
+                self._pending = self._pending[:at]
+                self.stopped = True
+        hold = 0 if self.stopped or final else self._partial_stop_length()
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        self.text += out
+        return out
+
+    def _partial_stop_length(self) -> int:
+        """Length of the longest end of the pending text that is the beginning of a stop string."""
+        for n in range(min(len(self._pending), max(map(len, self._stop), default=1) - 1), 0, -1):
+            tail = self._pending[-n:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return n
+        return 0
