@@ -96,11 +96,8 @@ class ReferenceLlama:
         x = embedding(batch.token_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer["input_norm"], c.rms_norm_eps)
-            qkv = h @ layer["qkv"].T
-            q = qkv[:, : c.q_size].reshape(t, c.num_heads, c.head_dim)
-            k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(t, c.num_kv_heads, c.head_dim)
-            v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim)
-            q = rope_kv_write(q, k, v, batch.positions, self.cos, self.sin, kv.k[i], kv.v[i], batch.slot_mapping)
+            q = rope_kv_write(h @ layer["qkv"].T, batch.positions, self.cos, self.sin, kv.k[i], kv.v[i],
+                              batch.slot_mapping, c.num_heads)
             attn = prefill_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.cu_seqlens_q,
                                      batch.context_lens, self.scale)
             x = x + attn.reshape(t, c.q_size) @ layer["o"].T

@@ -49,11 +49,18 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.nd
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
 
 
-def rope_kv_write(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, cos: np.ndarray,
-                  sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray) -> np.ndarray:
-    """RoPE on q (T, Hq, d) and k (T, Hkv, d), then k and v (T, Hkv, d) into their cache slots.
+def rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
+                  v_cache: np.ndarray, slot_mapping: np.ndarray, num_heads: int) -> np.ndarray:
+    """RoPE on the Q and K parts of the fused projection output, then K and V into their cache slots.
 
-    Returns the rotated q; the caches are written in place (see kv_cache_write).
+    qkv (T, (Hq + 2 Hkv) * d) float32 holds, per token, the Hq query heads, then the Hkv key heads, then the
+    Hkv value heads (the row layout of the fused QKV weight). Returns the rotated q (T, Hq, d); the caches
+    (num_blocks, block_size, Hkv, d) are written in place (see kv_cache_write).
     """
+    t = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    q = qkv[:, : num_heads * d].reshape(t, num_heads, d)
+    k = qkv[:, num_heads * d: (num_heads + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (num_heads + hkv) * d:].reshape(t, hkv, d)
     kv_cache_write(apply_rope(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping)
     return apply_rope(q, positions, cos, sin)

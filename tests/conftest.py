@@ -21,9 +21,9 @@ if PROFILE == "sim":
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile("sim", max_examples=25, deadline=None,
+settings.register_profile("sim", max_examples=20, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("gpu", max_examples=100, deadline=None,
+settings.register_profile("gpu", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(PROFILE)
 

@@ -1,0 +1,74 @@
+"""Row gathers: the token embedding lookup (bf16 table -> fp32 rows) and the selection of logit rows.
+
+    embedding:   out[t, i] = float32(table[token_ids[t], i])    table (V, H) uint16 bf16, out (T, H) float32
+    gather_rows: out[s, i] = x[indices[s], i]                    x (T, H) float32, out (S, H) float32
+
+Thread mapping (both): grid = (rows,), one block per output row; the block's threads stride over the H
+columns, so consecutive threads touch consecutive addresses (coalesced loads and stores).
+
+Versions: v1 only; these are pure memory copies of one row per token and cost little next to the matmuls.
+"""
+
+from functools import lru_cache
+
+from numba import cuda
+
+from cuda_kernels.primitives import bf16_to_f32
+
+THREADS = 256
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@lru_cache(maxsize=None)
+def _embedding_kernel():
+    @cuda.jit
+    def embedding_kernel(token_ids, table, out):
+        row = cuda.blockIdx.x
+        token = token_ids[row]
+        for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+            out[row, col] = bf16_to_f32(table[token, col])
+
+    return embedding_kernel
+
+
+@lru_cache(maxsize=None)
+def _gather_rows_kernel():
+    @cuda.jit
+    def gather_rows_kernel(x, indices, out):
+        row = cuda.blockIdx.x
+        src = indices[row]
+        for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+            out[row, col] = x[src, col]
+
+    return gather_rows_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def embedding(token_ids, table, out, stream=0):
+    """out (T, H) float32 <- rows token_ids (T,) of the bf16 table (V, H). Ids must be in [0, V)."""
+    _check(token_ids.ndim == 1 and token_ids.dtype.kind == "i", "token_ids", "(T,) integer", token_ids)
+    _check(table.ndim == 2 and table.dtype.name == "uint16", "table", "(V, H) uint16 bf16", table)
+    _check(out.shape == (token_ids.shape[0], table.shape[1]) and out.dtype.name == "float32", "out",
+           f"({token_ids.shape[0]}, {table.shape[1]}) float32", out)
+    if out.shape[0]:
+        _embedding_kernel()[out.shape[0], THREADS, stream](token_ids, table, out)
+
+
+def gather_rows(x, indices, out, stream=0):
+    """out (S, H) float32 <- rows indices (S,) of x (T, H) float32."""
+    _check(x.ndim == 2 and x.dtype.name == "float32", "x", "(T, H) float32", x)
+    _check(indices.ndim == 1 and indices.dtype.kind == "i", "indices", "(S,) integer", indices)
+    _check(out.shape == (indices.shape[0], x.shape[1]) and out.dtype.name == "float32", "out",
+           f"({indices.shape[0]}, {x.shape[1]}) float32", out)
+    if out.shape[0]:
+        _gather_rows_kernel()[out.shape[0], THREADS, stream](x, indices, out)
+
+
+def _check(ok, name, expected, array):
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got shape {tuple(array.shape)} dtype {array.dtype}")

@@ -1,0 +1,142 @@
+"""Device helpers every kernel family uses: bf16 bit casts and warp/block reductions.
+
+Each helper has two implementations chosen at import time, so one kernel source runs on both targets:
+
+- on a GPU: bit casts through libdevice (`__int_as_float`, `__float_as_int`) and warp shuffles
+  (`shfl_xor_sync`: after the 5 butterfly steps over offsets 16, 8, 4, 2, 1 every lane holds the result);
+- in Numba's CUDA simulator (CI), which has neither: NumPy scalar views for the casts, and a shared-memory
+  exchange for the warp reductions (each thread writes its value, the block synchronises, each thread reads
+  its warp's 32 values).
+
+Rules for callers (both implementations rely on them):
+- every thread of the block calls a warp or block reduction, in the same order (no reduction inside a branch
+  that only some threads take): shuffles need all 32 lanes, and the simulator's version synchronises the
+  block; blocks are a whole number of warps;
+- a block reduction needs a `cuda.shared.array(32, float32)` scratch buffer from the calling kernel.
+
+bf16 -> f32 is exact (the bits become the upper half of an fp32). f32 -> bf16 rounds to nearest, ties to
+even, as reference/bf16.py does: ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept a quiet NaN.
+"""
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from cuda_kernels.compat import SIMULATOR
+
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+if SIMULATOR:
+    # Simulated kernels are Python: NumPy scalar views give the bit casts.
+    @cuda.jit(device=True)
+    def bf16_to_f32(bits):
+        return (np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+    @cuda.jit(device=True)
+    def f32_bits(x):
+        return np.float32(x).view(np.uint32)
+
+    @cuda.jit(device=True)
+    def _linear_tid():
+        return cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+
+    @cuda.jit(device=True)
+    def _exchange(value):
+        """Every thread's value, in a block-wide shared buffer; returns (buffer, my index, my warp's first)."""
+        buf = cuda.shared.array(1024, float32)
+        tid = _linear_tid()
+        cuda.syncthreads()
+        buf[tid] = value
+        cuda.syncthreads()
+        return buf, tid, tid - tid % WARP
+
+    @cuda.jit(device=True)
+    def warp_sum(value):
+        buf, _, first = _exchange(value)
+        total = float32(0)
+        for lane in range(WARP):
+            total += buf[first + lane]
+        return total
+
+    @cuda.jit(device=True)
+    def warp_max(value):
+        buf, _, first = _exchange(value)
+        best = buf[first]
+        for lane in range(1, WARP):
+            best = max(best, buf[first + lane])
+        return best
+
+    @cuda.jit(device=True)
+    def warp_broadcast(value, src_lane):
+        buf, _, first = _exchange(value)
+        return buf[first + src_lane]
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def bf16_to_f32(bits):
+        return libdevice.int_as_float(int32(uint32(bits) << uint32(16)))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_bits(x):
+        return uint32(libdevice.float_as_int(x))
+
+    @cuda.jit(device=True, inline=True)
+    def warp_sum(value):
+        offset = 16
+        while offset > 0:
+            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            offset //= 2
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max(value):
+        offset = 16
+        while offset > 0:
+            value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
+            offset //= 2
+        return value
+
+    @cuda.jit(device=True, inline=True)
+    def warp_broadcast(value, src_lane):
+        return cuda.shfl_sync(FULL_MASK, value, src_lane)
+
+
+@cuda.jit(device=True)
+def f32_to_bf16(x):
+    """Round an fp32 value to the nearest bf16 (ties to even); returns the uint16 bit pattern."""
+    u = f32_bits(x)
+    if x != x:  # NaN: keep it NaN (the rounding carry could turn it into infinity)
+        return uint16((u >> uint32(16)) | uint32(0x40))
+    return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+
+@cuda.jit(device=True)
+def block_sum(value, scratch):
+    """Sum of `value` over the whole block, returned to every thread. scratch: shared float32[32]."""
+    tid = cuda.threadIdx.x
+    nwarps = (cuda.blockDim.x + WARP - 1) // WARP
+    partial = warp_sum(value)
+    if tid % WARP == 0:
+        scratch[tid // WARP] = partial
+    cuda.syncthreads()
+    lane = tid % WARP
+    total = warp_sum(scratch[lane] if lane < nwarps else float32(0))
+    cuda.syncthreads()  # scratch may be reused by the caller's next reduction
+    return total
+
+
+@cuda.jit(device=True)
+def block_max(value, scratch):
+    """Maximum of `value` over the whole block, returned to every thread. scratch: shared float32[32]."""
+    tid = cuda.threadIdx.x
+    nwarps = (cuda.blockDim.x + WARP - 1) // WARP
+    partial = warp_max(value)
+    if tid % WARP == 0:
+        scratch[tid // WARP] = partial
+    cuda.syncthreads()
+    lane = tid % WARP
+    best = warp_max(scratch[lane] if lane < nwarps else float32(-np.inf))
+    cuda.syncthreads()
+    return best

@@ -1,0 +1,96 @@
+"""Rotary embeddings on Q and K, fused with the write of K and V into the paged KV cache.
+
+For token t at position p = positions[t] and each head vector split in halves (x1, x2) of size d/2:
+
+    out1[i] = x1[i] * cos[p, i] - x2[i] * sin[p, i]
+    out2[i] = x2[i] * cos[p, i] + x1[i] * sin[p, i]
+
+Inputs: qkv (T, (Hq + 2 Hkv) * d) float32, the fused projection output (query heads, then key heads, then
+value heads); positions (T,) int; cos, sin (max_positions, d/2) float32 tables computed on the host in
+float64 (reference/rope.py, llama3 scaling included), so no transcendental is evaluated here; slot_mapping
+(T,) int, -1 for padding tokens. Outputs: q_out (T, Hq, d) float32 rotated; k_cache, v_cache
+(num_blocks, block_size, Hkv, d) uint16 bf16, the rotated K and the V of token t at flat slot
+slot_mapping[t], rounded to nearest even.
+
+Thread mapping: grid = (T,), one block per token. The block's threads stride over the (Hq + Hkv) * d/2
+rotation pairs (thread j owns pair i = j % (d/2) of head j // (d/2): it reads x1[i] and x2[i] and writes
+both outputs, so nothing is read after another thread wrote it) and then over the Hkv * d value entries.
+
+Versions: v1 only. Fusing the cache write here saves a kernel launch and a round trip of K through memory.
+"""
+
+from functools import lru_cache
+
+from numba import cuda
+
+from cuda_kernels.primitives import f32_to_bf16
+
+THREADS = 128
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@lru_cache(maxsize=None)
+def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
+    half = head_dim // 2
+    v_start = (num_heads + num_kv_heads) * head_dim
+
+    @cuda.jit
+    def rope_kv_write_kernel(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
+        t = cuda.blockIdx.x
+        pos = positions[t]
+        slot = slot_mapping[t]
+        block_size = k_cache.shape[1]
+        block, offset = slot // block_size, slot % block_size
+        for j in range(cuda.threadIdx.x, (num_heads + num_kv_heads) * half, cuda.blockDim.x):
+            head, i = j // half, j % half
+            base = head * head_dim  # Q heads first, then K heads, in the qkv row
+            x1 = qkv[t, base + i]
+            x2 = qkv[t, base + i + half]
+            c = cos[pos, i]
+            s = sin[pos, i]
+            out1 = x1 * c - x2 * s
+            out2 = x2 * c + x1 * s
+            if head < num_heads:
+                q_out[t, head, i] = out1
+                q_out[t, head, i + half] = out2
+            elif slot >= 0:
+                kv_head = head - num_heads
+                k_cache[block, offset, kv_head, i] = f32_to_bf16(out1)
+                k_cache[block, offset, kv_head, i + half] = f32_to_bf16(out2)
+        if slot >= 0:
+            for j in range(cuda.threadIdx.x, num_kv_heads * head_dim, cuda.blockDim.x):
+                v_cache[block, offset, j // head_dim, j % head_dim] = f32_to_bf16(qkv[t, v_start + j])
+
+    return rope_kv_write_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0):
+    """Rotate Q into q_out (T, Hq, d); rotate K and write it with V into the cache at slot_mapping."""
+    if q_out.ndim != 3 or q_out.dtype.name != "float32":
+        raise ValueError(f"q_out: expected (T, Hq, d) float32, got {tuple(q_out.shape)} {q_out.dtype}")
+    t, hq, d = q_out.shape
+    if k_cache.ndim != 4 or k_cache.dtype.name != "uint16" or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: expected (num_blocks, block_size, Hkv, {d}) uint16, "
+                         f"got {tuple(k_cache.shape)} {k_cache.dtype}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache: expected {tuple(k_cache.shape)} uint16, got {tuple(v_cache.shape)} {v_cache.dtype}")
+    hkv = k_cache.shape[2]
+    if qkv.shape != (t, (hq + 2 * hkv) * d) or qkv.dtype.name != "float32":
+        raise ValueError(f"qkv: expected ({t}, {(hq + 2 * hkv) * d}) float32 for Hq={hq}, Hkv={hkv}, d={d}; "
+                         f"got {tuple(qkv.shape)} {qkv.dtype}")
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {d}")
+    if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != d // 2 or cos.dtype.name != "float32":
+        raise ValueError(f"cos/sin: expected (max_positions, {d // 2}) float32 tables, got {tuple(cos.shape)}")
+    for name, a in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if a.shape != (t,) or a.dtype.kind != "i":
+            raise ValueError(f"{name}: expected ({t},) integer, got {tuple(a.shape)} {a.dtype}")
+    if t:
+        _rope_kv_write_kernel(hq, hkv, d)[t, THREADS, stream](qkv, positions, cos, sin, k_cache, v_cache,
+                                                               slot_mapping, q_out)

@@ -1,0 +1,1 @@
+"""Per-family kernel benchmark cases for tools/bench_kernels.py."""
