@@ -30,8 +30,10 @@ def full_logits(model, tokens):
 
 
 def close(a, b):
-    # fp32 activations; only the summation order differs (one token vs many per matmul)
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # Only the summation order differs (one token vs many per matmul), but K and V are rounded to bf16 in
+    # the cache: an order-dependent fp32 difference can flip one rounding, a relative change of up to 2^-8
+    # in one cached value, which moves the logits by that fraction of their scale.
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=2 ** -8 * np.abs(b).max())
 
 
 @settings(max_examples=5)

@@ -1,4 +1,4 @@
-"""The `tinyvllm` command line."""
+"""The `tinyvllm` command line: `generate` (one prompt, streamed) and `chat` (interactive, multi-turn)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,33 @@ examples:
 
 The answer streams to stdout; the backend line and the closing summary go to stderr."""
 
+CHAT_EPILOG = """\
+Type a message and press Enter; the reply streams back. /reset starts a new conversation, /exit (or
+Ctrl-D) quits."""
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", type=Path,
+                   help="model directory in Hugging Face layout (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default) uses the GPU when one is usable, else the CPU reference")
+    p.add_argument("--scheduler", choices=("continuous", "static"), default="continuous",
+                   help="batching policy (default continuous)")
+    p.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV-cache block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+                   help="most sequences in one batch (default 256)")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most new tokens (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy, the default, so answers are reproducible")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely (default 0: off)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable)")
+    p.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyvllm", description=DESCRIPTION,
@@ -32,25 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Generate text for one prompt and stream it as it is produced.",
                               epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
-    gen.add_argument("--model", metavar="PATH", type=Path,
-                     help="model directory in Hugging Face layout (default: the embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most new tokens (default 256)")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="sampling temperature; 0 is greedy, the default, so answers are reproducible")
-    gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
-    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0: off)")
-    gen.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                     help="drop tokens less likely than P times the most likely (default 0: off)")
-    gen.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop when the output contains TEXT (repeatable)")
-    gen.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
+    _add_model_options(gen)
     gen.add_argument("--no-chat", action="store_true",
                      help="send the prompt as raw text, without the model's chat template")
-    gen.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
-                     help="auto (default) uses the GPU when one is usable, else the CPU reference")
     gen.set_defaults(run=run_generate)
+    chat = commands.add_parser("chat", help="an interactive multi-turn chat, streamed",
+                               description="Chat with the model turn by turn; replies stream as they are produced.",
+                               epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_options(chat)
+    chat.set_defaults(run=run_chat)
     return parser
+
+
+class UserFacingError(Exception):
+    """An error whose message is the whole story: printed without a traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,74 +81,109 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from tinyvllm.config import ConfigError
+    from tinyvllm.default_model import DefaultModelError
+    from tinyvllm.engine import RequestError
+    from tinyvllm.runners import BackendError
+    from tinyvllm.sampling_params import SamplingParamsError
+    from tinyvllm.tokenizer import TokenizerError
+    from tinyvllm.weights import WeightsError
+
     try:
         return args.run(args)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except UserFacingError as exc:
+    except (UserFacingError, ConfigError, WeightsError, TokenizerError, SamplingParamsError, DefaultModelError,
+            RequestError, BackendError) as exc:
         print(f"tinyvllm: error: {exc}", file=sys.stderr)
         return 1
 
 
-class UserFacingError(Exception):
-    """An error whose message is the whole story: printed without a traceback."""
+def _params(args):
+    from tinyvllm.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
 
 
-def choose_backend(requested: str) -> str:
-    from tinyvllm.device import gpu_status
+def _load(args):
+    from tinyvllm.llm import LLM
 
-    if requested == "cpu":
-        return "cpu"
-    usable, detail = gpu_status()
-    if requested == "cuda":
-        if not usable:
-            raise UserFacingError(f"--backend cuda: no usable GPU: {detail}")
-        raise UserFacingError(f"--backend cuda: found {detail}, but the CUDA engine is not built yet; "
-                              "use --backend cpu")
-    if usable:
-        print(f"tinyvllm: GPU found ({detail}) but the CUDA engine is not built yet; "
-              "using the CPU reference backend", file=sys.stderr)
-    else:
-        print(f"tinyvllm: no usable GPU ({detail}); using the CPU reference backend", file=sys.stderr)
-    return "cpu"
+    if args.model is not None and not args.model.is_dir():
+        raise UserFacingError(f"--model {args.model}: not a directory")
+    try:
+        return LLM(args.model, backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
+                   max_num_seqs=args.max_num_seqs)
+    except ValueError as exc:  # engine options, config, weights and tokenizer errors all name the problem
+        raise UserFacingError(str(exc)) from None
+
+
+def _stream(llm, prompt, params) -> tuple[str, object]:
+    """Stream one request to stdout; returns its text and final output."""
+    pieces = llm.stream(prompt, params)
+    text = []
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as done:
+            final = done.value
+            break
+        text.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text), final
+
+
+def _summary(llm, final) -> None:
+    m = final.metrics
+    n = len(final.outputs[0].token_ids)
+    prefill_ms = (m["first_token_time"] - m["arrival_time"]) * 1e3
+    decode = m["last_token_time"] - m["first_token_time"]
+    rate = (n - 1) / decode if n > 1 and decode > 0 else 0.0
+    print(f"[{llm.engine.runner.name}] prompt tokens: {len(final.prompt_token_ids)}, new tokens: {n} "
+          f"({final.outputs[0].finish_reason}), prefill {prefill_ms:.0f} ms, decode {rate:.1f} tokens/s",
+          file=sys.stderr)
 
 
 def run_generate(args) -> int:
-    from tinyvllm.config import ConfigError
-    from tinyvllm.default_model import DefaultModelError, default_model_dir
-    from tinyvllm.generate import CPUGenerator, GenerationStats, PromptTooLongError
-    from tinyvllm.sampling_params import SamplingParams, SamplingParamsError
-    from tinyvllm.tokenizer import Tokenizer, TokenizerError
-    from tinyvllm.weights import WeightsError
-
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise UserFacingError("the prompt is empty")
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        backend = choose_backend(args.backend)
-        model_dir = args.model if args.model is not None else default_model_dir()
-        if not Path(model_dir).is_dir():
-            raise UserFacingError(f"--model {model_dir}: not a directory")
-        tokenizer = Tokenizer.from_dir(model_dir)
-        if args.no_chat:
-            prompt_ids = tokenizer.encode(prompt)
-        else:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt_ids = tokenizer.encode_chat(messages + [{"role": "user", "content": prompt}])
-        generator = CPUGenerator(model_dir, tokenizer)
-        stats = GenerationStats()
-        for piece in generator.stream(prompt_ids, params, stats):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    except (ConfigError, WeightsError, TokenizerError, SamplingParamsError, DefaultModelError,
-            PromptTooLongError) as exc:
-        raise UserFacingError(str(exc)) from None
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    print(f"[{backend}] prompt tokens: {stats.prompt_tokens}, new tokens: {len(stats.token_ids)} "
-          f"({stats.finish_reason}), prefill {stats.prefill_seconds * 1e3:.0f} ms, "
-          f"decode {stats.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    params = _params(args)
+    llm = _load(args)
+    if args.no_chat:
+        request = prompt
+    else:
+        request = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+    _, final = _stream(llm, request, params)
+    _summary(llm, final)
     return 0
+
+
+def run_chat(args) -> int:
+    params = _params(args)
+    llm = _load(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply, final = _stream(llm, messages, params)
+        messages.append({"role": "assistant", "content": reply})
+        if interactive:
+            _summary(llm, final)

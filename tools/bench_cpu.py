@@ -21,24 +21,22 @@ try:
 except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tinyvllm import LLM, SamplingParams
 from tinyvllm.default_model import default_model_dir
-from tinyvllm.generate import CPUGenerator, GenerationStats
-from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import Tokenizer
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 
 
 def bench_tinyvllm(model_dir: Path, new_tokens: int) -> dict:
-    tokenizer = Tokenizer.from_dir(model_dir)
-    generator = CPUGenerator(model_dir, tokenizer)
-    prompt_ids = tokenizer.encode_chat(PROMPT)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    list(generator.stream(prompt_ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), GenerationStats()))
-    stats = GenerationStats()
-    list(generator.stream(prompt_ids, params, stats))
-    return {"prompt_tokens": len(prompt_ids), "new_tokens": len(stats.token_ids), "tokens": stats.token_ids,
-            "prefill_s": stats.prefill_seconds, "decode_tok_s": stats.decode_tokens_per_second}
+    llm = LLM(model_dir, backend="cpu")
+    llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m, n = out.metrics, len(out.outputs[0].token_ids)
+    return {"prompt_tokens": len(out.prompt_token_ids), "new_tokens": n, "tokens": out.outputs[0].token_ids,
+            "prefill_s": m["first_token_time"] - m["arrival_time"],
+            "decode_tok_s": (n - 1) / (m["last_token_time"] - m["first_token_time"])}
 
 
 def bench_transformers(model_dir: Path, new_tokens: int, prompt_ids: list[int]) -> dict | None:

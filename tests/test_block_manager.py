@@ -1,0 +1,134 @@
+"""The block manager and scheduler as state machines under hypothesis: no block ever leaks or is shared
+wrongly, whatever sequence of admissions, steps, preemptions and aborts happens."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tinyvllm.block_manager import BlockManager, chain_hash
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.scheduler import Scheduler
+from tinyvllm.sequence import Sequence
+
+# a small vocabulary, so prompts share prefixes often and the prefix cache is exercised
+token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=40)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Drives a Scheduler the way the engine does, with a fake model that emits token 1 per sampled step."""
+
+    @initialize(num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4, 8]),
+                max_seqs=st.integers(1, 6), budget=st.integers(1, 64), policy=st.sampled_from(["continuous", "static"]),
+                prefix=st.booleans())
+    def setup(self, num_blocks, block_size, max_seqs, budget, policy, prefix):
+        self.bm = BlockManager(num_blocks, block_size, prefix)
+        self.scheduler = Scheduler(self.bm, max_seqs, budget, policy)
+        self.capacity = num_blocks * block_size
+        self.live: list[Sequence] = []
+        self.finished: list[Sequence] = []
+
+    @rule(prompt=token_lists, max_tokens=st.integers(1, 12))
+    def add(self, prompt, max_tokens):
+        if len(prompt) + max_tokens > self.capacity:  # the engine's max_model_len check
+            return
+        seq = Sequence(str(len(self.live) + len(self.finished)), prompt, SamplingParams(max_tokens=max_tokens), 0)
+        self.live.append(seq)
+        self.scheduler.add(seq)
+
+    @precondition(lambda self: self.scheduler.has_unfinished())
+    @rule()
+    def step(self):
+        scheduled = self.scheduler.schedule()
+        assert scheduled, "a step with unfinished work scheduled nothing"
+        assert sum(s.num_new_tokens for s in scheduled) <= self.scheduler.max_num_batched_tokens
+        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+        assert len({id(s.seq) for s in scheduled}) == len(scheduled)
+        for item in scheduled:
+            seq = item.seq
+            # every token about to be computed has a slot in the sequence's own blocks
+            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + item.num_new_tokens
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            if samples:
+                seq.output_token_ids.append(1)
+            self.bm.register_full_blocks(seq)
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                self.scheduler.finish(seq, "length")
+                self.live.remove(seq)
+                self.finished.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def abort(self, index):
+        seq = self.live.pop(index % len(self.live))
+        self.scheduler.finish(seq, "abort")
+        self.finished.append(seq)
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        if not hasattr(self, "bm"):
+            return
+        refs = [0] * self.bm.num_blocks
+        for seq in self.live:
+            for b in seq.block_table:
+                refs[b] += 1
+        for block in self.bm.blocks:
+            assert block.ref_count == refs[block.block_id] >= 0
+            assert (block.ref_count == 0) == (block.block_id in self.bm.free)
+        used = sum(1 for r in refs if r)
+        assert used + self.bm.num_free_blocks == self.bm.num_blocks
+        for seq in self.finished:
+            assert not seq.block_table
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        if not hasattr(self, "bm"):
+            return
+        for key, block_id in self.bm.cached.items():
+            assert self.bm.blocks[block_id].hash == key
+        for seq in self.live:
+            parent = None
+            tokens = seq.all_token_ids
+            for b, block_id in enumerate(seq.block_table):
+                block = self.bm.blocks[block_id]
+                if block.hash is None:
+                    break
+                chunk = tuple(tokens[b * self.bm.block_size:(b + 1) * self.bm.block_size])
+                assert block.token_ids == chunk and block.hash == chain_hash(parent, chunk)
+                parent = block.hash
+
+    def teardown(self):
+        # drain: every admitted request finishes and the cache is whole again
+        if not hasattr(self, "bm"):
+            return
+        for _ in range(10_000):
+            if not self.scheduler.has_unfinished():
+                break
+            self.step()
+        assert not self.scheduler.has_unfinished()
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_hits_share_blocks_and_leave_one_token_to_compute():
+    bm = BlockManager(10, 4)
+    a = Sequence("a", list(range(10)), SamplingParams(), 0)
+    assert bm.allocate_cached_prefix(a) == 0
+    bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.register_full_blocks(a)                      # blocks 0..7 of a are full: two registered
+    b = Sequence("b", list(range(8)), SamplingParams(), 0)
+    assert bm.allocate_cached_prefix(b) == 4        # 8 tokens: only the first block, the last token recomputes
+    assert b.block_table == a.block_table[:1] and bm.blocks[a.block_table[0]].ref_count == 2
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    assert bm.num_free_blocks == 10
+    c = Sequence("c", list(range(9)), SamplingParams(), 0)
+    assert bm.allocate_cached_prefix(c) == 8        # freed blocks stay cached until reused
+    bm.free_sequence(c)
+    hog = Sequence("hog", [9] * 40, SamplingParams(), 0)
+    bm.allocate(hog, 40)                            # takes every block: the cache entries are evicted
+    assert not bm.cached

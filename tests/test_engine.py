@@ -1,0 +1,117 @@
+"""The engine end to end on the CPU reference backend: the same request gives the same tokens alone, in a
+batch, with chunked prefill, with prefix-cache hits, under static batching and after preemption."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests_support import GOLDEN_FRANCE
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.engine import RequestError
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, n).tolist() for n in (5, 23, 40, 1, 17, 33)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=11, max_tokens=12, ignore_eos=True)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir, prompts):
+    llm = LLM(tiny_model_dir, backend="cpu", block_size=4)
+    return {name: [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+            for name, params in (("greedy", GREEDY), ("sampled", SAMPLED))}
+
+
+@pytest.mark.parametrize("options", [
+    dict(),                                                   # one continuous batch
+    dict(max_num_batched_tokens=7),                           # chunked prefill, decodes mixed in
+    dict(max_num_seqs=2),                                     # sequences wait for a free slot
+    dict(scheduler="static", max_num_seqs=4),                 # static batches
+    dict(num_kv_blocks=24, max_num_batched_tokens=16),        # a cache too small for all: preemption
+    dict(enable_prefix_caching=False, block_size=16),
+])
+def test_batched_tokens_equal_tokens_alone(tiny_model_dir, prompts, alone, options):
+    llm = LLM(tiny_model_dir, backend="cpu", **{"block_size": 4, **options})
+    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert tokens(outs) == alone[name], name
+        assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outs)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+    if "num_kv_blocks" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_reuses_a_shared_prompt(tiny_model_dir, prompts, alone):
+    llm = LLM(tiny_model_dir, backend="cpu", block_size=4)
+    shared = prompts[2]  # 40 tokens: 9 full blocks are reusable (the last token is always recomputed)
+    first = llm.generate([shared], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([shared, shared + [7, 8, 9]], GREEDY, use_tqdm=False)
+    assert first.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in again] == [36, 40]
+    assert again[0].outputs[0].token_ids == alone["greedy"][2]
+    reference = LLM(tiny_model_dir, backend="cpu", block_size=4, enable_prefix_caching=False)
+    assert again[1].outputs[0].token_ids == reference.generate([shared + [7, 8, 9]], GREEDY,
+                                                               use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_default_model_tokens_equal_transformers(default_model_dir):
+    golden = json.loads(GOLDEN_FRANCE.read_text())
+    llm = LLM(default_model_dir, backend="cpu")
+    out = llm.generate([golden["messages"]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert out.prompt_token_ids == golden["prompt_token_ids"]
+    assert out.outputs[0].token_ids == golden["generated_token_ids"]
+    assert out.text == "The capital of France is Paris." and out.outputs[0].finish_reason == "stop"
+
+
+def test_streaming_yields_the_text(tiny_model_dir):
+    llm = LLM(tiny_model_dir, backend="cpu")
+    full = llm.generate(["Hello"], GREEDY, use_tqdm=False)[0].text
+    assert "".join(llm.stream("Hello", GREEDY)) == full
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_stop_strings_and_stop_tokens(tiny_model_dir):
+    llm = LLM(tiny_model_dir, backend="cpu")
+    full = llm.generate(["Hi"], GREEDY, use_tqdm=False)[0]
+    text, ids = full.text, full.outputs[0].token_ids
+    cut = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[text[3:5]]),
+                       use_tqdm=False)[0]
+    assert cut.text == text[: text.index(text[3:5])] and cut.outputs[0].finish_reason == "stop"
+    by_token = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                   stop_token_ids=[ids[4]]), use_tqdm=False)[0]
+    assert by_token.outputs[0].token_ids == ids[: ids.index(ids[4]) + 1]
+    assert by_token.outputs[0].finish_reason == "stop"
+
+
+def test_abort_frees_blocks(tiny_model_dir):
+    llm = LLM(tiny_model_dir, backend="cpu", block_size=4)
+    engine = llm.engine
+    rid = engine.add_request([1, 2, 3, 4, 5, 6], GREEDY)
+    engine.step()
+    engine.abort(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_invalid_requests(tiny_model_dir):
+    llm = LLM(tiny_model_dir, backend="cpu", num_kv_blocks=8, block_size=4)  # a 32-token cache
+    with pytest.raises(RequestError, match="the prompt has 40 tokens, but at most 31 fit"):
+        llm.generate([[1] * 40], GREEDY)
+    with pytest.raises(RequestError, match="token id 999 is outside the vocabulary"):
+        llm.generate([[1, 999]], GREEDY)
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        llm.generate([""], GREEDY)
+    # a request that reaches the end of the cache-limited context stops with "length"
+    out = llm.generate([[1] * 20], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12 and out[0].outputs[0].finish_reason == "length"

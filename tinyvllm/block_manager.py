@@ -1,0 +1,139 @@
+"""The paged KV cache's bookkeeping: which fixed-size blocks each sequence owns, and the prefix cache.
+
+The cache is one pool of `num_blocks` blocks of `block_size` token slots. A sequence's block table lists its
+blocks in order; token j lives in slot `block_table[j // block_size] * block_size + j % block_size`.
+
+Automatic prefix caching: a block that is full is identified by a hash of its tokens chained with the hash
+of the block before it, so equal hashes mean equal whole prefixes. Full blocks are registered under their
+hash; a new sequence whose prompt starts with the same tokens takes those blocks (their reference count goes
+up) instead of computing them again. A block whose reference count drops to zero is not wiped: it goes to
+the end of the free list, still registered, and can be revived by a later hit; blocks are reused for new
+data from the front of the free list, least recently freed first, and lose their registration then (LRU).
+
+Invariants (checked by tests/test_block_manager.py under hypothesis): every block is either free (ref count
+0, in the free list) or used (ref count > 0, not in the free list); free + used == num_blocks; ref counts
+never go negative; a registered hash maps to a block whose tokens are exactly the hashed ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tinyvllm.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None          # set once the block is full and registered
+        self.token_ids: tuple[int, ...] = ()   # the tokens a registered block holds (collision check)
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: its tokens and everything before it (through `parent`)."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}      # hash -> block id
+        self.prefix_hits = 0                   # blocks served from the prefix cache, for stats and tests
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission --------------------------------------------------------------------------------------
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the registered blocks its tokens start with; returns the tokens they cover.
+
+        At most (num_tokens - 1) // block_size blocks are taken, so at least one token is left to compute
+        (the model must run on the last token to produce the next one's logits).
+        """
+        assert not seq.block_table, "sequence already holds blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = seq.all_token_ids
+        parent = None
+        for b in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
+            key = chain_hash(parent, chunk)
+            block_id = self.cached.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            parent = key
+        self.prefix_hits += len(seq.block_table)
+        return len(seq.block_table) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for the next `num_new_tokens` tokens of `seq` (call can_allocate first)."""
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"KV cache exhausted: need {needed} blocks, {self.num_free_blocks} free")
+        for _ in range(needed):
+            block_id = next(iter(self.free))   # least recently freed
+            block = self.blocks[block_id]
+            if block.hash is not None:         # evict its prefix-cache entry: its data is about to change
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            self._take(block_id)
+            seq.block_table.append(block_id)
+
+    # -- after a step -----------------------------------------------------------------------------------
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are now full of computed tokens, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        parent = None
+        tokens = None
+        for b in range(full):
+            block = self.blocks[seq.block_table[b]]
+            if block.hash is not None:
+                parent = block.hash
+                continue
+            if tokens is None:
+                tokens = seq.all_token_ids
+            chunk = tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
+            block.hash, block.token_ids = chain_hash(parent, chunk), chunk
+            # an equal block registered earlier keeps its entry; this one stays private to seq
+            self.cached.setdefault(block.hash, block.block_id)
+            parent = block.hash
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Return the blocks of a finished or preempted sequence (most recently used go to the back)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1

@@ -1,0 +1,115 @@
+"""Which sequences run in the next step, and how many of their tokens.
+
+Continuous batching (the default): every step is filled up to `max_num_batched_tokens` tokens and
+`max_num_seqs` sequences. Running sequences go first, in arrival order: a decode costs one token, a prompt
+still being prefilled costs the rest of its prompt or whatever budget is left (chunked prefill), so a long
+prompt never stalls the decodes of others. Waiting sequences are then admitted while budget, sequence slots
+and KV blocks last, after taking whatever their prompt finds in the prefix cache.
+
+When a running sequence needs a new KV block and none is free, the most recently admitted running sequence
+is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later
+(recomputation rather than swapping, as vLLM does by default). The engine keeps every sequence within
+max_model_len <= the cache's capacity, so a sequence alone always fits and the loop always makes progress.
+
+Static batching (`policy="static"`, for comparison and teaching): a batch is admitted only when the previous
+one has completely finished, and then runs until its longest member ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tinyvllm.block_manager import BlockManager
+from tinyvllm.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int          # tokens fed to the model for this sequence in this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "continuous"):
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"scheduler policy must be 'continuous' or 'static', got {policy!r}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        # 1. running sequences, oldest first; preempt the youngest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.can_allocate(seq, n) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+            if not self.blocks.can_allocate(seq, n):
+                self._preempt(self.running.pop(i))  # it is the youngest: it waits for the others to finish
+                continue
+            self.blocks.allocate(seq, n)
+            scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+            i += 1
+        # 2. waiting sequences (a static batch is admitted only when the previous one has drained)
+        if self.policy == "static" and self.running:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_computed_tokens = self.blocks.allocate_cached_prefix(seq)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(seq, n):
+                # give back the prefix blocks it took, so that a waiting sequence never holds blocks
+                self.blocks.free_sequence(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return scheduled
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (stop, length or abort), wherever it is, and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
