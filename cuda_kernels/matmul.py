@@ -1,0 +1,352 @@
+"""Matmul against bf16 weights in nn.Linear layout: ``out = x @ W^T``, accumulated in fp32.
+
+    out[m, n] = sum_k x[m, k] * bf16_to_f32(W[n, k])
+
+x (M, K) float32 activations; W (N, K) uint16 bf16 bit patterns (one row per output feature, as nn.Linear
+stores it); out (M, N) float32, written by the kernel (the caller allocates it). Fused projections (Q, K and
+V as one weight; gate and up as one) are the same op on row-concatenated weights. Twin: reference/matmul.py.
+
+Thread mappings:
+
+- ``matmul_naive``: grid = (ceil(N / 128), M), block = (128, 1); thread (n, m) computes out[m, n] with a
+  plain loop over K.
+- ``gemv`` (decode, small M): grid = (ceil(N / rows_per_block), ceil(M / m_tile)), block = 32 * warps,
+  rows_per_block = warps * rows_per_warp; warp w of block (bx, by) owns weight rows
+  (bx * warps + w) * rows_per_warp + r and activation rows by * m_tile + mm (m_tile in 1, 2, 4, 8, the
+  smallest >= M). Lane i reads the uint64 words i, i + 32, ... of each of its weight rows (4 bf16 per
+  load: a warp reads 256 contiguous bytes per row), widens them once and multiplies them by all m_tile
+  activation rows; a warp_sum per (row, m) gives the dot. When K % 4 != 0 (no uint64 view) lane i reads
+  the bf16 at k = i, i + 32, ... instead.
+- ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
+  threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
+  through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
+
+Versions:
+1. matmul_naive: one thread per output, uncoalesced W reads. The teaching baseline.
+2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows.
+3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores yet).
+4. matmul: what the engine calls; gemv for M <= GEMV_MAX_M, gemm above.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from numba import cuda, float32, uint32, uint64
+
+from cuda_kernels.primitives import WARP, bf16_to_f32, warp_sum
+
+# Largest M that the engine's matmul sends to gemv; above it the tiled gemm wins (gemv reads W once per
+# m_tile rows of x, gemm once per BM rows). NOTE: a first guess from the shapes, to be re-measured on the GPU.
+GEMV_MAX_M = 8
+
+# gemv compiles one kernel per m_tile (accumulators are registers, so their count must be a constant).
+_GEMV_M_TILES = (1, 2, 4, 8)
+
+
+class GemvConfig(NamedTuple):
+    warps_per_block: int = 4
+    rows_per_warp: int = 2   # rows sharing one pass over x: more loads in flight per lane, x loads reused
+
+
+class GemmTile(NamedTuple):
+    bm: int = 64   # output tile rows (M)
+    bn: int = 64   # output tile columns (N)
+    bk: int = 16   # K slab staged in shared memory per step
+    tm: int = 4    # outputs per thread along M
+    tn: int = 4    # outputs per thread along N
+
+
+GEMV_CONFIG = GemvConfig()
+GEMM_TILE = GemmTile()
+_NAIVE_BLOCK_N = 128
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device helpers
+# ---------------------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _low_pair(word):
+    """The two bf16 of the low half of a uint64 word (elements 0 and 1: little-endian), as fp32."""
+    # NOTE: cast to uint32 before shifting: in the simulator NumPy promotion rules apply, and on the GPU the
+    # typed constants keep the arithmetic in unsigned integers (uint64 op int64 would become float64).
+    lo = uint32(uint64(word) & uint64(0xFFFFFFFF))
+    return bf16_to_f32(lo & uint32(0xFFFF)), bf16_to_f32(lo >> uint32(16))
+
+
+@cuda.jit(device=True)
+def _high_pair(word):
+    """Elements 2 and 3 of a uint64 word of four bf16, as fp32."""
+    hi = uint32(uint64(word) >> uint64(32))
+    return bf16_to_f32(hi & uint32(0xFFFF)), bf16_to_f32(hi >> uint32(16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------------------
+
+@cuda.jit
+def _matmul_naive_kernel(x, weight, out):
+    """x (M, K) f32, weight (N, K) u16 bf16, out (M, N) f32. Thread (n, m) computes out[m, n]."""
+    n, m = cuda.grid(2)
+    if m >= x.shape[0] or n >= weight.shape[0]:
+        return
+    # NOTE: neighbouring threads read W rows K elements apart (uncoalesced); gemv fixes that by giving a
+    # row to a warp. fp32 accumulation throughout, as everywhere in the project.
+    acc = float32(0)
+    for k in range(x.shape[1]):
+        acc += x[m, k] * bf16_to_f32(weight[n, k])
+    out[m, n] = acc
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int):
+    """The gemv kernel for m_tile activation rows per block and rows_per_warp weight rows per warp."""
+    MT = m_tile
+    R = rows_per_warp
+    ROWS_PER_BLOCK = warps_per_block * rows_per_warp
+    NACC = MT * R
+    NWF = 4 * R  # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
+
+    @cuda.jit
+    def gemv_kernel(x, w64, w16, out, kv):
+        """x (M, K) f32; w64 (N, K/4) u64 (4 bf16 per word) or any array when kv == 0; w16 (N, K) u16 bf16;
+        out (M, N) f32; kv: number of uint64 words per row to read through w64 (K/4, or 0 for the
+        scalar path). Columns 4*kv..K-1 are read through w16 (the scalar tail: all of K when kv == 0)."""
+        M = x.shape[0]
+        K = x.shape[1]
+        N = w16.shape[0]
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        n0 = (cuda.blockIdx.x * warps_per_block + warp) * R
+        m0 = cuda.blockIdx.y * MT
+        # NOTE: warps past the last weight row (and m past the last x row) do not return early: every lane of
+        # the block must reach every warp_sum (shuffles need the whole warp; the simulator's version
+        # synchronises the block). They work on a clamped, valid row and skip the store instead, which also
+        # keeps bounds checks out of the inner loop.
+        acc = cuda.local.array(NACC, float32)
+        wf = cuda.local.array(NWF, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+
+        # Main loop: one 64-bit load brings 4 bf16; the warp reads 256 contiguous bytes per row per step.
+        for j in range(lane, kv, WARP):
+            for r in range(R):
+                word = w64[min(n0 + r, N - 1), j]
+                w0, w1 = _low_pair(word)
+                w2, w3 = _high_pair(word)
+                wf[4 * r] = w0
+                wf[4 * r + 1] = w1
+                wf[4 * r + 2] = w2
+                wf[4 * r + 3] = w3
+            k = 4 * j
+            for mm in range(MT):
+                mi = min(m0 + mm, M - 1)
+                x0 = x[mi, k]
+                x1 = x[mi, k + 1]
+                x2 = x[mi, k + 2]
+                x3 = x[mi, k + 3]
+                for r in range(R):
+                    a = acc[mm * R + r]
+                    a += x0 * wf[4 * r]
+                    a += x1 * wf[4 * r + 1]
+                    a += x2 * wf[4 * r + 2]
+                    a += x3 * wf[4 * r + 3]
+                    acc[mm * R + r] = a
+
+        # Scalar tail: the K % 4 columns a uint64 view cannot cover (all of K when there is no view).
+        for k in range(4 * kv + lane, K, WARP):
+            for r in range(R):
+                wf[r] = bf16_to_f32(w16[min(n0 + r, N - 1), k])
+            for mm in range(MT):
+                xv = x[min(m0 + mm, M - 1), k]
+                for r in range(R):
+                    acc[mm * R + r] += xv * wf[r]
+
+        for mm in range(MT):
+            for r in range(R):
+                total = warp_sum(acc[mm * R + r])
+                if lane == 0 and m0 + mm < M and n0 + r < N:
+                    out[m0 + mm, n0 + r] = total
+
+    gemv_kernel.rows_per_block = ROWS_PER_BLOCK
+    return gemv_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
+    """The tiled gemm kernel for a BM x BN output tile, BK-wide K slabs and a TM x TN register tile."""
+    if bm % tm or bn % tn:
+        raise ValueError(f"tile ({bm}, {bn}) is not a multiple of the thread tile ({tm}, {tn})")
+    TX = bn // tn                 # threads along N
+    TY = bm // tm                 # threads along M
+    THREADS = TX * TY
+    if THREADS % WARP or THREADS > 1024:
+        raise ValueError(f"gemm tile gives {THREADS} threads per block: need a multiple of 32, at most 1024")
+    if (bm * bk) % THREADS or (bn * bk) % THREADS:
+        raise ValueError(f"the {bm}x{bk} and {bn}x{bk} slabs must split evenly over {THREADS} threads")
+    X_LOADS = bm * bk // THREADS
+    W_LOADS = bn * bk // THREADS
+    # NOTE: the slabs are stored transposed (k major) so the inner loop reads a row of BM (or BN) values.
+    # The loads walk k fastest (coalesced in global memory) and so write shared memory with a stride of one
+    # padded row; 32 // BK rows of a warp land on distinct banks when the row length is BM + 32 // BK.
+    PAD = max(1, WARP // bk)
+    XS_COLS = bm + PAD
+    WS_COLS = bn + PAD
+
+    @cuda.jit
+    def gemm_kernel(x, weight, out):
+        """x (M, K) f32, weight (N, K) u16 bf16, out (M, N) f32; block (bx, by) computes the out tile
+        [by*BM : by*BM+BM, bx*BN : bx*BN+BN]."""
+        M = x.shape[0]
+        K = x.shape[1]
+        N = weight.shape[0]
+        tid = cuda.threadIdx.x
+        tx = tid % TX
+        ty = tid // TX
+        m0 = cuda.blockIdx.y * bm
+        n0 = cuda.blockIdx.x * bn
+
+        xs = cuda.shared.array((bk, XS_COLS), float32)   # xs[k, m] = x[m0 + m, k0 + k]
+        ws = cuda.shared.array((bk, WS_COLS), float32)   # ws[k, n] = W[n0 + n, k0 + k] widened
+        acc = cuda.local.array((tm, tn), float32)
+        a = cuda.local.array(tm, float32)
+        b = cuda.local.array(tn, float32)
+        for i in range(tm):
+            for j in range(tn):
+                acc[i, j] = float32(0)
+
+        for k0 in range(0, K, bk):
+            # Stage the slabs; zeros past the edges of x and W make the inner loop edge-free.
+            for e in range(X_LOADS):
+                idx = tid + THREADS * e
+                r = idx // bk
+                c = idx % bk
+                m = m0 + r
+                k = k0 + c
+                xs[c, r] = x[m, k] if m < M and k < K else float32(0)
+            for e in range(W_LOADS):
+                idx = tid + THREADS * e
+                r = idx // bk
+                c = idx % bk
+                n = n0 + r
+                k = k0 + c
+                ws[c, r] = bf16_to_f32(weight[n, k]) if n < N and k < K else float32(0)
+            cuda.syncthreads()
+
+            for kk in range(bk):
+                for i in range(tm):
+                    a[i] = xs[kk, ty + TY * i]
+                for j in range(tn):
+                    b[j] = ws[kk, tx + TX * j]
+                for i in range(tm):
+                    for j in range(tn):
+                        acc[i, j] += a[i] * b[j]
+            cuda.syncthreads()  # the next slab overwrites xs and ws
+
+        for i in range(tm):
+            m = m0 + ty + TY * i
+            if m < M:
+                for j in range(tn):
+                    n = n0 + tx + TX * j
+                    if n < N:
+                        out[m, n] = acc[i, j]
+
+    gemm_kernel.threads = THREADS
+    return gemm_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------
+
+def _is_device_array(a) -> bool:
+    # Duck-typed: numba's DeviceNDArray and the simulator's FakeCUDAArray both have copy_to_host (the
+    # simulator has no cuda.is_cuda_array). A host array would make numba copy it in and out on every launch.
+    return hasattr(a, "copy_to_host") and hasattr(a, "dtype") and hasattr(a, "shape")
+
+
+def _check_args(x, weight, out, allow_u64_weight=False):
+    """Validate x (M, K) f32, weight (N, K) u16 [or (N, K/4) u64 view], out (M, N) f32; return (M, N, K)."""
+    for name, a in (("x", x), ("weight", weight), ("out", out)):
+        if not _is_device_array(a):
+            raise TypeError(f"matmul: {name} must be a numba device array (cuda.to_device / device_array), "
+                            f"got {type(a).__name__}")
+        if len(a.shape) != 2:
+            raise ValueError(f"matmul: {name} must be 2-D, got shape {tuple(a.shape)}")
+    if x.dtype != np.float32:
+        raise ValueError(f"matmul: x must be float32, got {x.dtype} (shape {tuple(x.shape)})")
+    if out.dtype != np.float32:
+        raise ValueError(f"matmul: out must be float32, got {out.dtype} (shape {tuple(out.shape)})")
+    M, K = x.shape
+    N, wk = weight.shape
+    if weight.dtype == np.uint64 and allow_u64_weight:
+        wk *= 4  # the uint64 view of a uint16 (N, K) weight
+    elif weight.dtype != np.uint16:
+        allowed = "uint16 bf16 bits (or its uint64 view)" if allow_u64_weight else "uint16 bf16 bits"
+        raise ValueError(f"matmul: weight must be {allowed}, got {weight.dtype} "
+                         f"(shape {tuple(weight.shape)})")
+    if wk != K:
+        raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         f"({weight.dtype}) disagree on K ({K} vs {wk})")
+    if tuple(out.shape) != (M, N):
+        raise ValueError(f"matmul: out must have shape (M, N) = ({M}, {N}) for x {tuple(x.shape)} and "
+                         f"weight {tuple(weight.shape)}, got {tuple(out.shape)}")
+    return M, N, K
+
+
+def matmul_naive(x, weight, out, stream=0):
+    """out = x @ W^T, one thread per output element (the teaching baseline)."""
+    M, N, _ = _check_args(x, weight, out)
+    if M == 0 or N == 0:
+        return
+    grid = ((N + _NAIVE_BLOCK_N - 1) // _NAIVE_BLOCK_N, M)
+    _matmul_naive_kernel[grid, (_NAIVE_BLOCK_N, 1), stream](x, weight, out)
+
+
+def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG):
+    """out = x @ W^T for small M (decode), one warp per weight row (or rows_per_warp rows).
+
+    weight is the (N, K) uint16 array, or its uint64 view (N, K/4) (``weight.view(np.uint64)``, no copy),
+    which a caller can make once to save the view's Python cost on every call. A uint16 weight is viewed as
+    uint64 here when K % 4 == 0 and it is C-contiguous (64-bit loads); otherwise the kernel takes the scalar
+    path (16-bit loads), which is correct for any K but slower. Any M works: x is walked in chunks of up to
+    8 rows and the weight is read once per chunk. config: warps per block and weight rows per warp (tuning).
+    """
+    M, N, K = _check_args(x, weight, out, allow_u64_weight=True)
+    if M == 0 or N == 0:
+        return
+    if weight.dtype == np.uint64:
+        w64 = w16 = weight  # NOTE: w16 is only read by the scalar tail, which is empty when K % 4 == 0
+        kv = K // 4
+    elif K % 4 == 0 and weight.is_c_contiguous():
+        w64, w16, kv = weight.view(np.uint64), weight, K // 4
+    else:
+        w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
+    m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
+    kernel = _gemv_kernel(m_tile, config.warps_per_block, config.rows_per_warp)
+    grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
+    kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv)
+
+
+def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE):
+    """out = x @ W^T for large M (prefill): shared-memory tiled fp32 GEMM, any M, N, K."""
+    M, N, _ = _check_args(x, weight, out)
+    if M == 0 or N == 0:
+        return
+    kernel = _gemm_kernel(*tile)
+    grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
+    kernel[grid, kernel.threads, stream](x, weight, out)
+
+
+def matmul(x, weight, out, stream=0):
+    """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M, gemm above."""
+    if len(getattr(x, "shape", ())) == 2 and x.shape[0] <= GEMV_MAX_M:
+        gemv(x, weight, out, stream)
+    else:
+        gemm(x, weight, out, stream)
