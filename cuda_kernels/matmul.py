@@ -38,11 +38,16 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from numba import cuda, float32, uint32, uint64
 
+from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import WARP, bf16_to_f32, warp_sum
 
 # Largest M that the engine's matmul sends to gemv; above it the tiled gemm wins (gemv reads W once per
 # m_tile rows of x, gemm once per BM rows). NOTE: a first guess from the shapes, to be re-measured on the GPU.
 GEMV_MAX_M = 8
+if SIMULATOR:
+    # Each simulated warp reduction is two block barriers over Python threads: the engine's matmuls take the
+    # barrier-light tiled path there (the kernel tests still run gemv itself in the simulator).
+    GEMV_MAX_M = 0
 
 # gemv compiles one kernel per m_tile (accumulators are registers, so their count must be a constant).
 _GEMV_M_TILES = (1, 2, 4, 8)
@@ -61,8 +66,10 @@ class GemmTile(NamedTuple):
     tn: int = 4    # outputs per thread along N
 
 
+# The simulator runs one Python thread per CUDA thread: fewer, busier threads keep engine tests affordable
+# there (the kernel tests cover the GPU's configurations too).
 GEMV_CONFIG = GemvConfig()
-GEMM_TILE = GemmTile()
+GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
 _NAIVE_BLOCK_N = 128
 
 

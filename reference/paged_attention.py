@@ -10,6 +10,8 @@ context are never read (tests fill them with NaN to prove it).
 - `paged_attention`: decode, one query per sequence at position context_len - 1.
 - `paged_attention_walk`: the same as `paged_attention`, written the way the kernel walks the cache: token by
   token along the block table, with an online softmax.
+- `paged_attention_partitioned` and `paged_attention_reduce`: split-K decode in the kernel's two passes:
+  each partition of the context gives a partial (max, sum, unnormalised acc), then the partials are merged.
 """
 
 from __future__ import annotations
@@ -73,4 +75,60 @@ def paged_attention_walk(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
                 acc = acc * correction + p * bf16_to_f32(v_cache[block, offset, h // group])
                 m = m_new
             out[s, h] = acc / l
+    return out
+
+
+def paged_attention_partitioned(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                                block_tables: np.ndarray, context_lens: np.ndarray, scale: float,
+                                partition_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split-K decode, first pass: each partition of partition_size keys attended on its own.
+
+    Partition p of sequence s holds keys p * partition_size .. min((p + 1) * partition_size, context_len) - 1.
+    For it and each query head: m = the largest score, l = sum_j exp(s_j - m), acc = sum_j exp(s_j - m) v_j
+    (unnormalised). Partitions past the context are neutral: m = -inf, l = 0, acc = 0.
+    Returns partial_out (S, Hq, P, d), partial_max (S, Hq, P), partial_sum (S, Hq, P) float32, with
+    P = ceil(max(context_lens) / partition_size) (at least 1).
+    """
+    num_seqs, hq, d = q.shape
+    group = hq // k_cache.shape[2]
+    lens = np.asarray(context_lens)
+    num_partitions = max(1, -(-int(lens.max(initial=0)) // partition_size))
+    partial_out = np.zeros((num_seqs, hq, num_partitions, d), np.float32)
+    partial_max = np.full((num_seqs, hq, num_partitions), -np.inf, np.float32)
+    partial_sum = np.zeros((num_seqs, hq, num_partitions), np.float32)
+    for s in range(num_seqs):
+        ctx = int(lens[s])
+        if ctx <= 0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], ctx)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)     # (ctx, Hq, d)
+        for p in range(-(-ctx // partition_size)):
+            keys = slice(p * partition_size, min((p + 1) * partition_size, ctx))
+            scores = np.einsum("hd,jhd->hj", q[s], k[keys]) * np.float32(scale)   # (Hq, n)
+            m = scores.max(axis=1)
+            e = np.exp(scores - m[:, None])
+            partial_max[s, :, p] = m
+            partial_sum[s, :, p] = e.sum(axis=1)
+            partial_out[s, :, p] = np.einsum("hj,jhd->hd", e, v[keys])
+    return partial_out, partial_max, partial_sum
+
+
+def paged_attention_reduce(partial_out: np.ndarray, partial_max: np.ndarray, partial_sum: np.ndarray,
+                           context_lens: np.ndarray, partition_size: int) -> np.ndarray:
+    """Split-K decode, second pass: merge the partitions of each (sequence, head) -> (S, Hq, d) float32.
+
+    With M = max_p m_p, every partition is rescaled to the common maximum:
+    out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p. Only the ceil(context_len / partition_size)
+    partitions that hold keys are read; a sequence with context_len 0 (a padding slot) gives zeros.
+    """
+    num_seqs, hq, _, d = partial_out.shape
+    out = np.zeros((num_seqs, hq, d), np.float32)
+    for s in range(num_seqs):
+        n = -(-int(context_lens[s]) // partition_size)
+        if n <= 0:
+            continue
+        m = partial_max[s, :, :n]                                        # (Hq, n)
+        weights = np.exp(m - m.max(axis=1, keepdims=True))
+        total = (weights * partial_sum[s, :, :n]).sum(axis=1)
+        out[s] = np.einsum("hp,hpd->hd", weights, partial_out[s, :, :n]) / total[:, None]
     return out

@@ -1,0 +1,465 @@
+"""Causal prefill attention over the paged KV cache: a naive version and a flash-attention (online softmax) one.
+
+For query head h of sequence s at position p (its KV head is h // G, G = Hq / Hkv), over the keys j <= p of
+the sequence's context:
+
+    s_j = scale * <q, k_j>,      out = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m),   m = max_j s_j
+
+The q_len = cu_seqlens_q[s+1] - cu_seqlens_q[s] queries of sequence s are the LAST q_len tokens of its
+context (positions context_len - q_len .. context_len - 1), so a chunk of a long prompt, or a prompt whose
+prefix came from the prefix cache, attends to everything before it. K and V are read through the block table:
+token j lives in block block_tables[s, j // block_size] at offset j % block_size.
+
+Shapes and dtypes:
+    q             (T, Hq, d)              float32   the new tokens of every sequence, packed
+    k/v_cache     (blocks, bs, Hkv, d)    uint16    bf16 bit patterns; slots past a context are never read
+    block_tables  (S, max_blocks)         int32     -1 past the end
+    cu_seqlens_q  (S + 1,)                int32     rows of q per sequence
+    context_lens  (S,)                    int32     cached prefix + the new tokens
+    out           (T, Hq, d)              float32
+d must be a multiple of 8 and at most 128 (K/V are loaded 4 bf16 = 64 bits at a time).
+
+Versions:
+- `prefill_attention_naive` (teaching): grid = (S, max_q_len, Hq), one warp per (query token, head). It
+  materialises the query's whole row of scores in shared memory (so the context is capped at
+  NAIVE_MAX_CONTEXT) and makes three passes: scores and their max, exp and their sum, the weighted sum of V.
+  K and V are re-read from global memory by every query.
+- `prefill_attention` (flash attention, SIMT fp32): grid = (S, ceil(max_q_len * G / ROWS), Hkv). A block owns
+  ROWS query rows of one sequence and one KV head, a row being a (query token, query head of the group) pair,
+  so the G query heads that share a KV head share every K/V tile. It walks the keys in tiles of 32: the block
+  stages a tile in shared memory (widened to fp32), each warp scores it against its ROWS / WARPS rows (lane j
+  owns key j of the tile), and updates each row's online softmax state: running max m, per-lane running sum
+  l, unnormalised accumulator acc (lane i owns dims i, i + 32, ...), rescaled by exp(m_old - m_new) when the
+  max grows. Nothing of size context is ever held, so any context length works, in one pass over K and V.
+
+The step from naive to flash: the naive kernel needs the max of the whole row before it can exponentiate
+anything, so it holds (or recomputes) every score; the online softmax exponentiates against the max seen so
+far and corrects what it has accumulated when the max grows, which lets K/V tiles stream through shared
+memory once and be shared by ROWS queries.
+"""
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.primitives import WARP, bf16_to_f32, warp_max, warp_sum
+
+NEG_INF = float32(-np.inf)
+U64_ZERO = np.uint64(0)        # typed constants (a numba type cast is slow in the simulator's inner loops)
+TILE = WARP                    # keys per tile: one key per lane when scoring
+NAIVE_MAX_CONTEXT = 8192       # the naive kernel's row of scores lives in shared memory (32 KB)
+SHARED_BUDGET = 48 * 1024      # static shared memory per block without the opt-in attribute
+
+# Flash prefill: query rows per block and warps per block. The simulator runs one Python thread per CUDA
+# thread and every warp reduction there is two block barriers: it gets smaller blocks (same code path).
+PREFILL_WARPS = 2 if SIMULATOR else 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@cuda.jit(device=True)
+def unpack_bf16x4_device(word):
+    """Four bf16 packed in a uint64 (element 0 in the low bits) -> four float32 (the GPU's unpacking)."""
+    lo = uint32(word & uint64(0xFFFFFFFF))
+    hi = uint32(word >> uint64(32))
+    # bf16_to_f32 shifts its argument left by 16 in 32 bits, which drops the upper element by itself.
+    return bf16_to_f32(lo), bf16_to_f32(lo >> uint32(16)), bf16_to_f32(hi), bf16_to_f32(hi >> uint32(16))
+
+
+if SIMULATOR:
+    _HALVES = np.array([0, 16, 32, 48], np.uint64)
+
+    def unpack_bf16x4(word):
+        """The simulator's unpacking: plain NumPy. A simulated device-function call costs far more than the
+        work here, and this sits in the innermost loops (the device version is tested on its own)."""
+        bits = ((np.uint64(word) >> _HALVES) & np.uint64(0xFFFF)).astype(np.uint32) << np.uint32(16)
+        f = bits.view(np.float32)
+        return f[0], f[1], f[2], f[3]
+else:
+    unpack_bf16x4 = unpack_bf16x4_device
+
+
+def _tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u, words, block_size):
+    """Word u of the K/V tile of tokens t0 .. t0 + TILE - 1 (token t0 + u // words, word u % words of its
+    row): (K word, V word). Zeros when u is past the tile or the token is at or past k_end.
+
+    NOTE: mask before the load: a slot past the context may be unused (NaN in the tests, garbage in real
+    life) and 0 * NaN is NaN, so such slots are never read, not read and then zeroed."""
+    j = u // words
+    if u < TILE * words and t0 + j < k_end:
+        token = t0 + j
+        block = block_tables[seq, token // block_size]
+        offset = token % block_size
+        w = u % words
+        return k_words[block, offset, kvh, w], v_words[block, offset, kvh, w]
+    return U64_ZERO, U64_ZERO
+
+
+def _store_words(buf, k_base, v_base, u, kw, vw, words, k_stride):
+    """Word u of a tile into a uint64 shared buffer: K row j at k_base + j * k_stride, V row j at v_base +
+    j * words."""
+    if u < TILE * words:
+        j, w = u // words, u % words
+        buf[k_base + j * k_stride + w] = kw
+        buf[v_base + j * words + w] = vw
+
+
+def _store_words_f32(ks, vs, u, kw, vw, words, k_stride):
+    """Word u of a tile widened into float32 shared tiles: K row j at j * k_stride, V row j at j * 4 * words."""
+    if u < TILE * words:
+        j, w = u // words, u % words
+        k0, k1, k2, k3 = unpack_bf16x4(kw)
+        v0, v1, v2, v3 = unpack_bf16x4(vw)
+        base = j * k_stride + 4 * w
+        ks[base] = k0
+        ks[base + 1] = k1
+        ks[base + 2] = k2
+        ks[base + 3] = k3
+        base = j * 4 * words + 4 * w
+        vs[base] = v0
+        vs[base + 1] = v1
+        vs[base + 2] = v2
+        vs[base + 3] = v3
+
+
+if SIMULATOR:
+    # Plain Python in the simulator, where a device-function call costs far more than these bodies.
+    tile_word, store_words, store_words_f32 = _tile_word, _store_words, _store_words_f32
+else:
+    tile_word = cuda.jit(device=True, inline=True)(_tile_word)
+    store_words = cuda.jit(device=True, inline=True)(_store_words)
+    store_words_f32 = cuda.jit(device=True, inline=True)(_store_words_f32)
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def warp_barrier():
+        # The simulator has no syncwarp; a block barrier is stronger, and every caller reaches this one
+        # uniformly (the same number of times in every thread), which its warp reductions need anyway.
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True, inline=True)
+    def warp_barrier():
+        # NOTE: orders shared-memory accesses among the lanes of one warp (independent thread scheduling
+        # means lanes of a warp are not in lockstep); only for buffers that one warp alone reads and writes.
+        cuda.syncwarp()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@lru_cache(maxsize=None)
+def _naive_kernel(head_dim: int, block_size: int):
+    D, BS = head_dim, block_size
+    ARENA = NAIVE_MAX_CONTEXT + D      # shared floats: the row of scores, then the query
+
+    @cuda.jit
+    def prefill_naive_kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
+        # q, out (T, Hq, D) f32; k_cache, v_cache (blocks, BS, Hkv, D) u16; block_tables (S, max_blocks) i32
+        seq, i, h = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        lane = cuda.threadIdx.x
+        q_begin = cu_seqlens_q[seq]
+        q_len = cu_seqlens_q[seq + 1] - q_begin
+        if i >= q_len:
+            return  # past this sequence's queries: the whole block leaves together
+        kvh = h // (q.shape[1] // k_cache.shape[2])
+        n_keys = context_lens[seq] - q_len + i + 1      # causal: keys 0 .. position
+        row = q_begin + i
+        if n_keys > NAIVE_MAX_CONTEXT:
+            # The scores would not fit: say so loudly instead of writing a wrong answer.
+            for t in range(lane, D, WARP):
+                out[row, h, t] = float32(np.nan)
+            return
+        # Shared memory: the scores of the whole row, then the query (one arena: fewer allocations, which
+        # are slow in the simulator).
+        arena = cuda.shared.array(ARENA, float32)
+        scores = arena[:NAIVE_MAX_CONTEXT]
+        qs = arena[NAIVE_MAX_CONTEXT:]
+        for t in range(lane, D, WARP):
+            qs[t] = q[row, h, t]
+        cuda.syncthreads()
+
+        # Pass 1: every score, and their maximum.
+        local_max = NEG_INF
+        for j in range(lane, n_keys, WARP):
+            block, offset = block_tables[seq, j // BS], j % BS
+            dot = float32(0)
+            for t in range(D):
+                dot += qs[t] * bf16_to_f32(k_cache[block, offset, kvh, t])
+            scores[j] = float32(scale) * dot
+            local_max = max(local_max, scores[j])
+        m = warp_max(local_max)
+
+        # Pass 2: exponentiate. NOTE: subtracting the row max keeps exp() in range (the largest term is 1).
+        local_sum = float32(0)
+        for j in range(lane, n_keys, WARP):
+            p = math.exp(scores[j] - m)
+            scores[j] = p
+            local_sum += p
+        total = warp_sum(local_sum)
+        cuda.syncthreads()  # pass 3 reads the probabilities every lane wrote
+
+        # Pass 3: lane t owns output dims t, t + 32, ...; every lane walks all the keys.
+        for t in range(lane, D, WARP):
+            acc = float32(0)
+            for j in range(n_keys):
+                block, offset = block_tables[seq, j // BS], j % BS
+                acc += scores[j] * bf16_to_f32(v_cache[block, offset, kvh, t])
+            out[row, h, t] = acc / total
+
+    return prefill_naive_kernel
+
+
+@lru_cache(maxsize=None)
+def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
+    D, BS, R, NW = head_dim, block_size, rows, warps
+    RW = R // NW                       # query rows per warp
+    NT = NW * WARP
+    WD = D // 4                        # uint64 words (4 bf16) per K/V row
+    KS = D + 1                         # NOTE: odd row stride: lane j reading ks[j * KS + i] hits bank (j + i) % 32
+    DPL = (D + WARP - 1) // WARP       # output dims per lane: lane owns dims lane, lane + 32, ...
+    STAGE = (TILE * WD + NT - 1) // NT     # uint64 words of a K (or V) tile per thread
+    QLOAD = (R * D + NT - 1) // NT
+    K_OFF = R * D                      # shared-memory layout, in floats
+    V_OFF = K_OFF + TILE * KS
+    P_OFF = V_OFF + TILE * D
+    L_OFF = P_OFF + R * TILE
+    SHARED_FLOATS = L_OFF + R
+    ACC = RW * DPL                     # accumulators per lane (sizes must be plain constants for numba)
+
+    @cuda.jit
+    def prefill_flash_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, out):
+        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4) u64 (the bf16 caches, 4 per word)
+        seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
+        # NOTE: the last row tiles see the most keys; giving them the lowest block ids starts them first.
+        tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+        group = q.shape[1] // k_words.shape[2]
+        q_begin = cu_seqlens_q[seq]
+        q_len = cu_seqlens_q[seq + 1] - q_begin
+        n_rows = q_len * group                  # row r = (token r // group, head kvh * group + r % group)
+        row0 = tile * R
+        if row0 >= n_rows:
+            return  # the whole block leaves together, before any barrier
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        first = context_lens[seq] - q_len                  # position of the sequence's first query
+        last_row = min(row0 + R, n_rows) - 1
+        k_end = first + last_row // group + 1              # keys any row of this block can see
+        wrow0 = warp * RW                                  # this warp's first row within the block
+
+        arena = cuda.shared.array(SHARED_FLOATS, float32)  # one allocation (they are slow in the simulator)
+        qs = arena[:K_OFF]              # the block's query rows (R x D), reused for the output
+        ks = arena[K_OFF:V_OFF]         # K tile (TILE x KS), widened to fp32, padded rows
+        vs = arena[V_OFF:P_OFF]         # V tile (TILE x D), widened to fp32
+        ps = arena[P_OFF:L_OFF]         # per row (R x TILE): the tile's scores, then its probabilities
+        inv_l = arena[L_OFF:]           # per row: 1 / sum of the probabilities
+
+        for n in range(QLOAD):
+            e = tid + NT * n
+            if e < R * D:
+                r = row0 + e // D
+                value = float32(0)
+                if r < n_rows:
+                    value = q[q_begin + r // group, kvh * group + r % group, e % D]
+                qs[e] = value
+
+        # Per-row state of this warp's rows. m is the same in every lane; l is each lane's share of the sum
+        # (its own keys), added across lanes once at the end, not once per tile.
+        m = cuda.local.array(RW, float32)
+        l = cuda.local.array(RW, float32)
+        corr = cuda.local.array(RW, float32)
+        acc = cuda.local.array(ACC, float32)
+        sc = cuda.local.array(RW, float32)
+        for r in range(RW):
+            m[r] = NEG_INF
+            l[r] = float32(0)
+        for a in range(ACC):
+            acc[a] = float32(0)
+        cuda.syncthreads()
+
+        for t0 in range(0, k_end, TILE):
+            # Stage the tile: thread tid copies words tid + NT * n. NOTE: four loads, then four stores: a load's
+            # first use stalls the (in-order) warp until the data arrives, so issuing them together pays the
+            # memory latency once per four words instead of once per word.
+            for n in range(0, STAGE, 4):
+                u = tid + NT * n
+                ka, va = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u, WD, BS)
+                kb, vb = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + NT, WD, BS)
+                kc, vc = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 2 * NT, WD, BS)
+                kd, vd = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 3 * NT, WD, BS)
+                store_words_f32(ks, vs, u, ka, va, WD, KS)
+                store_words_f32(ks, vs, u + NT, kb, vb, WD, KS)
+                store_words_f32(ks, vs, u + 2 * NT, kc, vc, WD, KS)
+                store_words_f32(ks, vs, u + 3 * NT, kd, vd, WD, KS)
+            cuda.syncthreads()
+
+            # Scores of key t0 + lane against the warp's rows (q broadcast from shared memory).
+            for r in range(RW):
+                sc[r] = float32(0)
+            for i in range(D):
+                kv = ks[lane * KS + i]
+                for r in range(RW):
+                    sc[r] += qs[(wrow0 + r) * D + i] * kv
+            for r in range(RW):
+                ps[(wrow0 + r) * TILE + lane] = sc[r]
+
+            # Online softmax update of every row (same trip count in every lane: the reductions need it).
+            key = t0 + lane
+            for r in range(RW):
+                row = row0 + wrow0 + r
+                visible = row < n_rows and key <= first + row // group
+                score = float32(scale) * ps[(wrow0 + r) * TILE + lane] if visible else NEG_INF
+                m_new = max(m[r], warp_max(score))
+                # A row that has seen no visible key yet keeps m = -inf: use 0 so exp() gives 0, not NaN.
+                m_safe = m_new if m_new != NEG_INF else float32(0)
+                c = math.exp(m[r] - m_safe)
+                p = math.exp(score - m_safe)
+                l[r] = l[r] * c + p
+                corr[r] = c
+                m[r] = m_new
+                ps[(wrow0 + r) * TILE + lane] = p
+            warp_barrier()  # ps rows are this warp's own
+
+            # acc = acc * exp(m_old - m_new) + P V. NOTE: every accumulation is fp32. Masked keys have p = 0
+            # and a zero V row, so the tile is walked whole. The loops indexing acc have compile-time trip
+            # counts and small bodies so that acc can live in registers.
+            for r in range(RW):
+                for c in range(DPL):
+                    acc[r * DPL + c] *= corr[r]
+            for j in range(TILE):
+                for c in range(DPL):
+                    dim = lane + WARP * c
+                    if dim < D:
+                        v = vs[j * D + dim]
+                        for r in range(RW):
+                            acc[r * DPL + c] += ps[(wrow0 + r) * TILE + j] * v
+            cuda.syncthreads()  # before the next tile overwrites ks, vs
+
+        # Epilogue: the row sums across lanes, then the output through shared memory (coalesced stores).
+        for r in range(RW):
+            total = warp_sum(l[r])
+            if lane == 0:
+                inv_l[wrow0 + r] = float32(1) / total if total > float32(0) else float32(0)
+        for r in range(RW):
+            for c in range(DPL):
+                dim = lane + WARP * c
+                if dim < D:
+                    qs[(wrow0 + r) * D + dim] = acc[r * DPL + c]
+        cuda.syncthreads()
+        for n in range(QLOAD):
+            e = tid + NT * n
+            if e < R * D:
+                r = row0 + e // D
+                if r < n_rows:
+                    out[q_begin + r // group, kvh * group + r % group, e % D] = qs[e] * inv_l[e // D]
+
+    return prefill_flash_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def prefill_attention_naive(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
+                            max_q_len, stream=0):
+    """The teaching version of `prefill_attention` (same arguments). Contexts up to NAIVE_MAX_CONTEXT; a
+    query that sees more keys gets NaN."""
+    d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                                       max_q_len)
+    num_seqs = context_lens.shape[0]
+    if num_seqs == 0 or max_q_len == 0:
+        return
+    kernel = _naive_kernel(d, block_size)
+    kernel[(num_seqs, max_q_len, q.shape[1]), WARP, stream](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, np.float32(scale), out)
+
+
+def prefill_rows_per_block(head_dim: int) -> int:
+    """Query rows per flash block: the most (64, 32 or 16, fewer in the simulator) whose tiles fit in 48 KB."""
+    for rows in ((16, 8) if SIMULATOR else (64, 32, 16)):
+        floats = rows * head_dim + TILE * (head_dim + 1) + TILE * head_dim + rows * TILE + rows
+        if 4 * floats <= SHARED_BUDGET:
+            return rows
+    raise AssertionError("unreachable for head_dim <= 128")
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len,
+                      stream=0):
+    """out (T, Hq, d) <- causal attention of every sequence's new tokens over its paged context.
+
+    max_q_len: the longest q_len in the batch (host int; it sizes the grid)."""
+    d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                                       max_q_len)
+    num_seqs = context_lens.shape[0]
+    if num_seqs == 0 or max_q_len == 0:
+        return
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    rows = prefill_rows_per_block(d)
+    kernel = _flash_kernel(d, block_size, rows, PREFILL_WARPS)
+    grid = (num_seqs, -(-max_q_len * group // rows), num_kv_heads)
+    kernel[grid, PREFILL_WARPS * WARP, stream](
+        q, cache_words(k_cache), cache_words(v_cache), block_tables, cu_seqlens_q, context_lens,
+        np.float32(scale), out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# argument checks (shared with cuda_kernels/paged_attention.py)
+
+
+def cache_words(cache):
+    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks, bs, Hkv, d / 4) uint64: no copy."""
+    return cache.view(np.uint64)
+
+
+def _describe(array):
+    return f"{tuple(array.shape)} {array.dtype}"
+
+
+def _expect(name, array, shape, dtype):
+    if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
+        raise ValueError(f"{name}: expected {tuple(shape)} {np.dtype(dtype)}, got {_describe(array)}")
+
+
+def _is_c_contiguous(array):
+    check = getattr(array, "is_c_contiguous", None)
+    return check() if callable(check) else bool(array.flags["C_CONTIGUOUS"])
+
+
+def check_cache_args(q, k_cache, v_cache, block_tables, context_lens):
+    """Checks shared by every attention launcher; returns (head_dim, block_size)."""
+    if q.ndim != 3 or q.dtype != np.float32:
+        raise ValueError(f"q: expected (tokens, num_heads, head_dim) float32, got {_describe(q)}")
+    d = q.shape[2]
+    if d % 8 or not 8 <= d <= 128:
+        raise ValueError(f"head_dim must be a multiple of 8 in 8..128, got {d}")
+    if k_cache.ndim != 4 or k_cache.dtype != np.uint16 or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: expected (num_blocks, block_size, num_kv_heads, {d}) uint16 bf16, "
+                         f"got {_describe(k_cache)}")
+    _expect("v_cache", v_cache, k_cache.shape, np.uint16)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _is_c_contiguous(cache):
+            raise ValueError(f"{name} must be C-contiguous (it is read 4 bf16 at a time)")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    if context_lens.ndim != 1 or context_lens.dtype != np.int32:
+        raise ValueError(f"context_lens: expected (num_seqs,) int32, got {_describe(context_lens)}")
+    if block_tables.ndim != 2 or block_tables.dtype != np.int32 or block_tables.shape[0] != context_lens.shape[0]:
+        raise ValueError(f"block_tables: expected ({context_lens.shape[0]}, max_blocks) int32, "
+                         f"got {_describe(block_tables)}")
+    return d, k_cache.shape[1]
+
+
+def check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, max_q_len):
+    d, block_size = check_cache_args(q, k_cache, v_cache, block_tables, context_lens)
+    _expect("cu_seqlens_q", cu_seqlens_q, (context_lens.shape[0] + 1,), np.int32)
+    _expect("out", out, q.shape, np.float32)
+    if int(max_q_len) != max_q_len or max_q_len < 0:
+        raise ValueError(f"max_q_len must be a non-negative int, got {max_q_len!r}")
+    return d, block_size

@@ -1,0 +1,586 @@
+"""Picking the next token on the GPU: greedy argmax, and temperature / top-k / top-p / min-p sampling.
+
+Math (per row s of logits l, vocabulary size V; exactly reference/sampling.py):
+
+    greedy (temperature 0):  token = min { i : l_i = max_j l_j }          (NaN counts as largest, like numpy)
+    otherwise:               z_i = l_i / T,  e_i = exp(z_i - max_j z_j),  p_i = e_i / sum_j e_j
+                             keep_i = p_i >= max(t_k, t_p, t_min)          (every filter is a threshold on p)
+                             t_k   = the k-th largest p                    (top_k in (0, V); else 0)
+                             t_p   = max { t in p : M(t) >= top_p },  M(t) = sum_{p_j >= t} p_j   (top_p < 1)
+                             t_min = min_p * max_j p_j                      (min_p > 0)
+                             token = min { i : C_i > u * C_{V-1} },  C_i = sum_{j <= i, keep_j} p_j
+
+  t_p is the reference's sorted-cumsum threshold: with p sorted decreasingly and r the first rank whose
+  cumulative sum reaches top_p, every value t above p_(r) has M(t) equal to a cumulative sum at a rank below
+  r, hence < top_p, while M(p_(r)) >= cumsum_r >= top_p. So no sort is needed: both t_k and t_p are found by
+  a search over the values of p. If no t reaches top_p (rounding left the total mass short of it) every
+  token is kept, as the reference's clamp to the last rank does.
+
+Shapes and dtypes (device arrays):
+    logits (S, V) float32 (any strides); out (S,) int32
+    sample only: temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32; uniform in [0, 1)
+
+Thread mapping:
+    argmax_naive  grid = ceil(S / threads); one thread per row walks the whole row.
+    argmax        grid = (S,); one block per row; thread t reads l[t], l[t + threads], ... (coalesced) and
+                  the block reduces (value, index) pairs through shared memory.
+    sample        grid = (S,); one block per row, the same strided mapping for the passes that only reduce;
+                  for the draw thread t owns the contiguous chunk [t*C, (t+1)*C), C = ceil(V / threads).
+                  Static shared memory: 28 * threads bytes + 17 KB of histograms (45 KB at 1024 threads,
+                  under the 48 KB static limit).
+    Block sizes: 32-1024, powers of two (whole warps, and a divisor of the 1024 histogram bins).
+
+Passes over the row in `sample` (p is recomputed from the logits in every pass, never stored):
+    1. the greedy answer (max l, lowest index); for T > 0 it also gives max z = fl(max l / T), since
+       x -> fl(x / T) is monotone (T < 0, which SamplingParams forbids, costs one more block reduction)
+       -- temperature-0 rows stop here
+    2. sum of e
+    3-5. radix select on the bits of p: 10 bits per pass (positive floats order like their bits, and p <= 1
+       leaves 30 significant bits); one pass builds both the top-k count histogram and the top-p mass
+       histogram. A search stops as soon as its bucket is decided (every member needed, or one member),
+       usually after the second digit; both are skipped when off.
+    6. kept mass of each thread's chunk, a block-wide exclusive scan, the chunk holding u * total
+    +  the whole block re-reads that one chunk (V / threads elements) in sub-chunks to find the token
+  So 3 passes for plain temperature sampling, up to 6 with top-k or top-p (5 typical at V = 128256).
+
+Edge cases, all as the reference where it is defined: u * total rounding up to the total (or u >= 1) draws
+the last kept token; top_p <= 0 keeps the largest p (and its ties); top_k <= 0 or >= V is off. Where the
+reference is undefined (NaN logits, +inf logits, every logit -inf, min_p > 1: nothing kept) the kernel
+returns the greedy token rather than an out-of-range one.
+
+NOTE: masses (top-p histogram, chunk sums, the scan) are fixed-point integers, p * 2^56 truncated to uint64.
+Integer addition is associative, so shared-memory atomics and scans give bit-identical results on every run
+and in any order, and the error is at most V * 2^-56 (~2e-12 for V = 128256): the kernel's masses are the
+exact masses of its float32 p to that precision, so a disagreement with the reference at a top-p or u
+boundary comes from the reference's float32 cumsum (or from p itself: exp and the denominator may differ
+from numpy's by a few ulps), never from the order of the kernel's additions.
+
+Every reduction and scan here goes through shared memory (no warp shuffles), so the simulator runs exactly
+the GPU's source; the only target-dependent piece is `f32_bits` from primitives (libdevice on the GPU).
+
+Versions:
+    argmax_naive  v1: one thread per row; teaching only (V sequential loads per thread).
+    argmax        v2: one block per row, strided loads, two-level (value, index) reduction in shared memory.
+    sample        v1: one block per row; radix-select thresholds, fixed-point masses, two-level inverse CDF.
+"""
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
+
+from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.primitives import WARP, f32_bits
+
+#: block sizes the kernels accept: whole warps, at most 32 of them, and a divisor of RADIX_BINS
+BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
+DEFAULT_THREADS = 64 if SIMULATOR else 512   # the simulator runs a Python thread per CUDA thread
+RADIX_BITS = 10
+RADIX_BINS = 1 << RADIX_BITS
+RADIX_MASK = RADIX_BINS - 1
+#: p <= 1 has bits <= 0x3F800000, so bits 30 and 31 are always 0: three 10-bit digits cover the rest
+RADIX_PASSES = 3
+FIXED_SCALE = float(2 ** 56)      # p * 2^56 < 2^56 and sum(p) ~ 1, far from the 2^64 limit of uint64
+NO_INDEX = 2 ** 31 - 1            # an index larger than any real one: loses every tie in the argmax
+
+
+def _jit_options(threads):
+    """Launch bounds (block size, blocks per SM) that hold every block size to 64 registers, 1024 resident
+    threads per SM. Left to itself ptxas gives `sample` 128 registers (one 512-thread block per SM, and a
+    1024-thread block could not launch); at 64 it spills under 32 bytes (ptxas -v, sm_90). The simulator
+    rejects the keyword."""
+    return {} if SIMULATOR else {"launch_bounds": (threads, max(1, 1024 // threads))}
+
+
+# --- device helpers -----------------------------------------------------------------------------------------
+#
+# Block-wide reductions and scans, two levels through shared memory: one thread per warp combines its warp's
+# 32 entries, then every thread combines the per-warp results. Two barriers whatever the block size (a
+# log2(threads)-step tree needs 5-10), no warp shuffles, so the simulator runs the GPU's code. Every thread of
+# the block must call them, in the same order. A reduction reads `buf` only before its second barrier and
+# writes `wbuf` only after its first, so reductions may follow each other on the same buffers with no barrier
+# in between; a scan also reads `buf` after its second barrier, so the caller must pass a barrier before the
+# buffers of a scan are written again.
+
+@cuda.jit(device=True)
+def _beats(value, index, best, best_index):
+    """numpy.argmax's order: NaN above everything, then larger values, then the lower index among equals."""
+    if value != value:
+        return best == best or index < best_index
+    if best != best:
+        return False
+    return value > best or (value == best and index < best_index)
+
+
+@cuda.jit(device=True)
+def _block_argmax(value, index, vbuf, ibuf, wv, wi):
+    """The block's best (value, index) pair under `_beats`, to every thread. vbuf/ibuf [threads], wv/wi [32]."""
+    tid = cuda.threadIdx.x
+    nwarps = cuda.blockDim.x // WARP
+    vbuf[tid] = value
+    ibuf[tid] = index
+    cuda.syncthreads()
+    if tid < nwarps:
+        bv = vbuf[tid * WARP]
+        bi = ibuf[tid * WARP]
+        for j in range(tid * WARP + 1, tid * WARP + WARP):
+            if _beats(vbuf[j], ibuf[j], bv, bi):
+                bv = vbuf[j]
+                bi = ibuf[j]
+        wv[tid] = bv
+        wi[tid] = bi
+    cuda.syncthreads()
+    bv = wv[0]
+    bi = wi[0]
+    for w in range(1, nwarps):
+        if _beats(wv[w], wi[w], bv, bi):
+            bv = wv[w]
+            bi = wi[w]
+    return bv, bi
+
+
+@cuda.jit(device=True)
+def _block_max(value, vbuf, wv):
+    """Maximum of a float64 over the block, to every thread. vbuf [threads], wv [32]."""
+    tid = cuda.threadIdx.x
+    nwarps = cuda.blockDim.x // WARP
+    vbuf[tid] = value
+    cuda.syncthreads()
+    if tid < nwarps:
+        best = vbuf[tid * WARP]
+        for j in range(tid * WARP + 1, tid * WARP + WARP):
+            best = max(best, vbuf[j])
+        wv[tid] = best
+    cuda.syncthreads()
+    best = wv[0]
+    for w in range(1, nwarps):
+        best = max(best, wv[w])
+    return best
+
+
+@cuda.jit(device=True)
+def _block_sum(value, vbuf, wv):
+    """Sum of a float64 over the block, to every thread, always in the same order (deterministic)."""
+    tid = cuda.threadIdx.x
+    nwarps = cuda.blockDim.x // WARP
+    vbuf[tid] = value
+    cuda.syncthreads()
+    if tid < nwarps:
+        acc = float64(0)
+        for j in range(tid * WARP, tid * WARP + WARP):
+            acc += vbuf[j]
+        wv[tid] = acc
+    cuda.syncthreads()
+    acc = float64(0)
+    for w in range(nwarps):
+        acc += wv[w]
+    return acc
+
+
+@cuda.jit(device=True)
+def _block_scan2(a, b, pos, abuf, bbuf, wa, wb):
+    """Exclusive prefix sums of two uint64 values over the block, in the order given by `pos`.
+
+    pos is this thread's place in the scan (threadIdx.x for a prefix, threads - 1 - threadIdx.x for a suffix).
+    Returns (exclusive a, exclusive b, total a, total b). After the per-warp sums each thread adds the
+    segments before its own and the entries before it in its segment: at most 31 + 31 shared loads.
+    """
+    tid = cuda.threadIdx.x
+    nwarps = cuda.blockDim.x // WARP
+    abuf[pos] = a
+    bbuf[pos] = b
+    cuda.syncthreads()
+    if tid < nwarps:
+        sa = uint64(0)
+        sb = uint64(0)
+        for j in range(tid * WARP, tid * WARP + WARP):
+            sa += abuf[j]
+            sb += bbuf[j]
+        wa[tid] = sa
+        wb[tid] = sb
+    cuda.syncthreads()
+    my_warp = pos // WARP
+    ea = uint64(0)
+    eb = uint64(0)
+    ta = uint64(0)
+    tb = uint64(0)
+    for w in range(nwarps):
+        if w < my_warp:
+            ea += wa[w]
+            eb += wb[w]
+        ta += wa[w]
+        tb += wb[w]
+    for j in range(my_warp * WARP, pos):
+        ea += abuf[j]
+        eb += bbuf[j]
+    return ea, eb, ta, tb
+
+
+@cuda.jit(device=True)
+def _row_argmax(logits, row, vbuf, ibuf, wv, wi):
+    """One pass over a row with the strided mapping: (largest logit, its lowest index, this thread's minimum)."""
+    tid = cuda.threadIdx.x
+    best = float32(-np.inf)
+    best_index = int32(NO_INDEX)
+    lowest = float32(np.inf)
+    for i in range(tid, logits.shape[1], cuda.blockDim.x):
+        x = logits[row, i]
+        if _beats(x, i, best, best_index):
+            best = x
+            best_index = int32(i)
+        lowest = min(lowest, x)
+    value, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
+    return float32(value), index, lowest
+
+
+@cuda.jit(device=True)
+def _weight(logit, temperature, zmax):
+    """e = exp(l / T - max z) in float32, in the reference's order of operations (divide, subtract, exp)."""
+    return float32(math.exp(logit / temperature - zmax))
+
+
+@cuda.jit(device=True)
+def _prob(logit, temperature, zmax, total):
+    """p = e / sum e. NOTE: a true division, like the reference's `p /= p.sum()`, not a multiply by 1/sum.
+    Every pass recomputes p through this one function, so all passes see bit-identical values."""
+    return _weight(logit, temperature, zmax) / total
+
+
+@cuda.jit(device=True)
+def _prob_bits(p):
+    """The radix key of p: its float32 bits (p >= 0 orders like them); a NaN p (a NaN row) becomes 0."""
+    if p != p:
+        return uint32(0)
+    return uint32(f32_bits(p))
+
+
+@cuda.jit(device=True)
+def _mass(p):
+    """p in fixed point, p * 2^56 truncated (see the module NOTE); 0 for a NaN p."""
+    if p != p:
+        return uint64(0)
+    return uint64(float64(p) * FIXED_SCALE)
+
+
+@cuda.jit(device=True)
+def _kept(p, threshold):
+    return p == p and _prob_bits(p) >= threshold
+
+
+# --- kernels ------------------------------------------------------------------------------------------------
+
+@cuda.jit
+def _argmax_naive_kernel(logits, out):
+    # logits (S, V) float32, out (S,) int32; grid ceil(S / threads): one thread per row. Neighbouring threads
+    # read addresses V floats apart, so no load is coalesced: the reason `argmax` gives a row a whole block.
+    row = cuda.grid(1)
+    if row >= logits.shape[0]:
+        return
+    best = logits[row, 0]
+    best_index = 0
+    for i in range(1, logits.shape[1]):
+        if _beats(logits[row, i], i, best, best_index):
+            best = logits[row, i]
+            best_index = i
+    out[row] = best_index
+
+
+@lru_cache(maxsize=None)
+def _argmax_kernel(threads):
+    @cuda.jit(**_jit_options(threads))
+    def argmax_kernel(logits, out):
+        # logits (S, V) float32, out (S,) int32; grid (S,), block (threads,): one block per row
+        vbuf = cuda.shared.array(threads, float64)
+        ibuf = cuda.shared.array(threads, int32)
+        wv = cuda.shared.array(WARP, float64)
+        wi = cuda.shared.array(WARP, int32)
+        row = cuda.blockIdx.x
+        _, index, _ = _row_argmax(logits, row, vbuf, ibuf, wv, wi)
+        if cuda.threadIdx.x == 0:
+            out[row] = index
+
+    return argmax_kernel
+
+
+@lru_cache(maxsize=None)
+def _sample_kernel(threads):
+    bins_per_thread = RADIX_BINS // threads
+
+    @cuda.jit(**_jit_options(threads))
+    def sample_kernel(logits, temperature, top_k, top_p, min_p, uniform, out):
+        # logits (S, V) float32; temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32;
+        # out (S,) int32. grid (S,), block (threads,): one block per row. Every branch on a row parameter
+        # is block-uniform (all threads read the same value), so reductions inside those branches are safe.
+        vbuf = cuda.shared.array(threads, float64)
+        ibuf = cuda.shared.array(threads, int32)
+        abuf = cuda.shared.array(threads, uint64)
+        bbuf = cuda.shared.array(threads, uint64)
+        wv = cuda.shared.array(WARP, float64)
+        wi = cuda.shared.array(WARP, int32)
+        wa = cuda.shared.array(WARP, uint64)
+        wb = cuda.shared.array(WARP, uint64)
+        count_k = cuda.shared.array(RADIX_BINS, int32)   # top-k: candidates per digit value
+        count_p = cuda.shared.array(RADIX_BINS, int32)   # top-p: the same, for its early stop
+        mass_p = cuda.shared.array(RADIX_BINS, uint64)   # top-p: candidates' fixed-point mass per digit value
+        # Values one thread finds and all threads read. Per radix digit (two sets, alternating, so resetting
+        # the next digit's never races a late read of this one's): +0 top-k bucket, +1 rank left, +2 bucket
+        # count, +3 top-p bucket, +4 mass left, +5 bucket count. Then 12 the draw's chunk, 13 the kept mass
+        # before it, 14 the token.
+        slot = cuda.shared.array(15, int64)
+
+        tid = cuda.threadIdx.x
+        row = cuda.blockIdx.x
+        vocab = logits.shape[1]
+        t = temperature[row]
+
+        # ---- pass 1: the greedy answer; for T > 0 it also gives max z, since x -> fl(x / T) is monotone
+        best, greedy, lowest = _row_argmax(logits, row, vbuf, ibuf, wv, wi)
+        if t == 0:
+            if tid == 0:
+                out[row] = greedy
+            return  # the whole block leaves together
+        zmax = best / t
+        if t < 0:  # dividing by a negative T reverses the order: max z comes from the smallest logit
+            zmax = float32(-_block_max(-float64(lowest), vbuf, wv)) / t
+
+        # ---- pass 2: the softmax denominator (float64 partial sums, rounded once to float32)
+        acc = float64(0)
+        for i in range(tid, vocab, threads):
+            acc += float64(_weight(logits[row, i], t, zmax))
+        total = float32(_block_sum(acc, vbuf, wv))
+        p_max = float32(1) / total  # exp(0) = 1 at the largest z: the reference's p.max()
+
+        # ---- passes 3-5: top-k and top-p thresholds by radix select on the bits of p, most significant digit
+        # first. Each search keeps a prefix (the digits chosen so far) and what is still to be found among the
+        # candidates that share it: a rank for top-k, a fixed-point mass for top-p.
+        k = top_k[row]
+        k_on = 0 < k and k < vocab
+        p_on = top_p[row] < float32(1)
+        k_done = not k_on
+        p_done = not p_on
+        k_left = uint64(0)
+        if k_on:
+            k_left = uint64(k)
+        p_left = uint64(1)  # top_p <= 0: the largest p, as the reference's rank 0 gives
+        if p_on and top_p[row] > float32(0):
+            # M >= top_p  <=>  M_fixed >= ceil(top_p * 2^56), M_fixed being an integer
+            p_left = max(uint64(1), uint64(math.ceil(float64(top_p[row]) * FIXED_SCALE)))
+        k_prefix = uint32(0)
+        p_prefix = uint32(0)
+        lo = tid * bins_per_thread  # this thread's bins when the block searches the histograms
+        if not (k_done and p_done):
+            for j in range(tid, RADIX_BINS, threads):
+                count_k[j] = 0
+                count_p[j] = 0
+                mass_p[j] = uint64(0)
+            cuda.syncthreads()
+        for digit in range(RADIX_PASSES):
+            if k_done and p_done:  # block-uniform: every thread holds the same search state
+                break
+            s = 6 * (digit % 2)
+            if tid == 0:
+                slot[s] = -1
+                slot[s + 3] = -1
+            shift = uint32(RADIX_BITS * (RADIX_PASSES - 1 - digit))
+            above = shift + uint32(RADIX_BITS)  # the bits above this digit must equal the prefix
+            for i in range(tid, vocab, threads):
+                p = _prob(logits[row, i], t, zmax, total)
+                bits = _prob_bits(p)
+                bucket = int32((bits >> shift) & uint32(RADIX_MASK))
+                if not k_done and (bits >> above) == (k_prefix >> above):
+                    cuda.atomic.add(count_k, bucket, 1)
+                if not p_done and (bits >> above) == (p_prefix >> above):
+                    cuda.atomic.add(count_p, bucket, 1)
+                    cuda.atomic.add(mass_p, bucket, _mass(p))
+            cuda.syncthreads()
+            # Which bucket holds the answer: a suffix scan (largest p first) tells each thread how much lies
+            # above its bins; the one thread whose bins cross the target walks them from the top.
+            ck = uint64(0)
+            mp = uint64(0)
+            for j in range(lo, lo + bins_per_thread):
+                ck += uint64(count_k[j])
+                mp += mass_p[j]
+            above_k, above_p, _, _ = _block_scan2(ck, mp, threads - 1 - tid, abuf, bbuf, wa, wb)
+            if not k_done and above_k < k_left and k_left <= above_k + ck:
+                run = above_k
+                for j in range(lo + bins_per_thread - 1, lo - 1, -1):
+                    c = uint64(count_k[j])
+                    if run + c >= k_left:
+                        slot[s] = j
+                        slot[s + 1] = int64(k_left - run)
+                        slot[s + 2] = int64(c)
+                        break
+                    run += c
+            if not p_done and above_p < p_left and p_left <= above_p + mp:
+                run = above_p
+                for j in range(lo + bins_per_thread - 1, lo - 1, -1):
+                    m = mass_p[j]
+                    if run + m >= p_left:
+                        slot[s + 3] = j
+                        slot[s + 4] = int64(p_left - run)
+                        slot[s + 5] = int64(count_p[j])
+                        break
+                    run += m
+            for j in range(lo, lo + bins_per_thread):  # only this thread reads these bins: clear them now
+                count_k[j] = 0
+                count_p[j] = 0
+                mass_p[j] = uint64(0)
+            cuda.syncthreads()
+            if not k_done:
+                if slot[s] < 0:  # cannot happen for 0 < k < V; keep everything rather than use garbage
+                    k_prefix = uint32(0)
+                    k_done = True
+                else:
+                    k_prefix |= uint32(slot[s]) << shift
+                    k_left = uint64(slot[s + 1])
+                    # once every member of the bucket is needed, its lowest bits are the threshold
+                    k_done = uint64(slot[s + 2]) == k_left or digit == RADIX_PASSES - 1
+            if not p_done:
+                if slot[s + 3] < 0:  # only on the first digit: the total mass is short of top_p, keep all
+                    p_prefix = uint32(0)
+                    p_done = True
+                else:
+                    p_prefix |= uint32(slot[s + 3]) << shift
+                    p_left = uint64(slot[s + 4])
+                    p_done = slot[s + 5] == 1 or digit == RADIX_PASSES - 1
+        threshold = uint32(0)
+        if k_on:
+            threshold = max(threshold, k_prefix)
+        if p_on:
+            threshold = max(threshold, p_prefix)
+        if min_p[row] > float32(0):
+            threshold = max(threshold, uint32(f32_bits(min_p[row] * p_max)))
+
+        # ---- pass 6: the draw, inverse CDF in vocabulary order; thread tid owns [tid * chunk, (tid+1) * chunk)
+        chunk = (vocab + threads - 1) // threads
+        start = tid * chunk
+        end = min(vocab, start + chunk)
+        kept_mass = uint64(0)
+        last_kept = -1  # the last kept token with p > 0: the draw when u * total reaches the total
+        for i in range(start, end):
+            p = _prob(logits[row, i], t, zmax, total)
+            if _kept(p, threshold):
+                kept_mass += _mass(p)
+                if p > float32(0):
+                    last_kept = i
+        if tid == 0:
+            slot[12] = -1
+            slot[14] = greedy  # nothing kept (NaN logits, min_p > 1): fall back to the greedy token
+        before, _, kept_total, _ = _block_scan2(kept_mass, uint64(0), tid, abuf, bbuf, wa, wb)
+        u = uniform[row]
+        target = kept_total  # u >= 1 or NaN: no chunk crosses and the last kept token is drawn
+        if u < float32(1):
+            target = uint64(0)
+            if u > float32(0):
+                # floor(u * total), exact enough in float64; C > u * total  <=>  C > floor(u * total) for an
+                # integer C
+                target = uint64(float64(u) * float64(kept_total))
+        if before <= target and target < before + kept_mass:
+            slot[12] = tid
+            slot[13] = int64(before)
+        cuda.syncthreads()
+        owner = slot[12]
+        if owner >= 0:  # block-uniform
+            # The whole block re-reads the owner's chunk in sub-chunks: the last, sequential walk is then
+            # ceil(chunk / threads) elements (1-2 for V = 128256) instead of chunk (hundreds).
+            c_start = owner * chunk
+            c_end = min(vocab, c_start + chunk)
+            sub = (chunk + threads - 1) // threads
+            s_start = c_start + tid * sub
+            s_end = min(c_end, s_start + sub)
+            sub_mass = uint64(0)
+            for i in range(s_start, s_end):
+                p = _prob(logits[row, i], t, zmax, total)
+                if _kept(p, threshold):
+                    sub_mass += _mass(p)
+            sub_before, _, _, _ = _block_scan2(sub_mass, uint64(0), tid, abuf, bbuf, wa, wb)
+            run = uint64(slot[13]) + sub_before
+            if run <= target and target < run + sub_mass:
+                for i in range(s_start, s_end):
+                    p = _prob(logits[row, i], t, zmax, total)
+                    if _kept(p, threshold):
+                        run += _mass(p)
+                        if run > target:
+                            slot[14] = i
+                            break
+        else:
+            last = _block_max(float64(last_kept), vbuf, wv)
+            if tid == 0 and last >= 0:
+                slot[14] = int64(last)
+        cuda.syncthreads()
+        if tid == 0:
+            out[row] = int32(slot[14])
+
+    return sample_kernel
+
+
+# --- launchers ----------------------------------------------------------------------------------------------
+
+def _check_device(name, array):
+    # Kernels never allocate or copy: a host array here would be copied on every call (and break graph capture).
+    if isinstance(array, np.ndarray) or not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        raise TypeError(f"{name} must be a device array (cuda.to_device / cuda.device_array), "
+                        f"got {type(array).__name__}")
+
+
+def _check(name, array, dtype, shape):
+    """A device array of the given dtype and shape, or a TypeError/ValueError that says what is wrong."""
+    _check_device(name, array)
+    if np.dtype(array.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {np.dtype(array.dtype).name}")
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(array.shape)}")
+
+
+def _check_logits(logits, out):
+    _check_device("logits", logits)
+    if len(logits.shape) != 2:
+        raise ValueError(f"logits must be 2-D (num_seqs, vocab), got shape {tuple(logits.shape)}")
+    num_seqs, vocab = logits.shape
+    _check("logits", logits, np.float32, (num_seqs, vocab))
+    if vocab < 1 or vocab >= 2 ** 31 - 1:
+        raise ValueError(f"vocab size must be in [1, 2^31 - 1), got {vocab}")
+    _check("out", out, np.int32, (num_seqs,))
+    return num_seqs, vocab
+
+
+def _check_threads(threads):
+    if threads not in BLOCK_SIZES:
+        raise ValueError(f"threads must be one of {BLOCK_SIZES}, got {threads!r}")
+
+
+def argmax_naive(logits, out, stream=0, threads=64):
+    """Greedy tokens, one thread per row (teaching version). logits (S, V) float32 -> out (S,) int32."""
+    num_seqs, _ = _check_logits(logits, out)
+    _check_threads(threads)
+    if num_seqs == 0:
+        return
+    _argmax_naive_kernel[(num_seqs + threads - 1) // threads, threads, stream](logits, out)
+
+
+def argmax(logits, out, stream=0, threads=DEFAULT_THREADS):
+    """Greedy tokens: out[s] = the lowest index of the largest logit of row s (numpy.argmax exactly)."""
+    num_seqs, _ = _check_logits(logits, out)
+    _check_threads(threads)
+    if num_seqs == 0:
+        return
+    _argmax_kernel(threads)[num_seqs, threads, stream](logits, out)
+
+
+def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, threads=DEFAULT_THREADS):
+    """Next tokens as reference/sampling.sample, one block per row; every argument is a device array.
+
+    temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32 (0 or >= V: off); out (S,) int32.
+    """
+    num_seqs, _ = _check_logits(logits, out)
+    for name, array, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
+                               ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
+                               ("uniform", uniform, np.float32)):
+        _check(name, array, dtype, (num_seqs,))
+    _check_threads(threads)
+    if num_seqs == 0:
+        return
+    _sample_kernel(threads)[num_seqs, threads, stream](logits, temperature, top_k, top_p, min_p, uniform, out)

@@ -1,0 +1,414 @@
+"""Attention kernels against reference/: prefill (naive and flash) and decode (PagedAttention v1, split-K).
+
+Every case writes random K/V through random, non-contiguous block tables into caches whose other slots are
+NaN, so a kernel that reads past a context (even inside the last, partly filled block) returns NaN and
+fails. Value kinds cover ordinary scores, large ones (a near one-hot softmax), exactly tied ones and very
+negative ones.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from kernel_support import F32_EPS, SIM, assert_close, device_empty, pick, to_device
+
+from cuda_kernels import attention, paged_attention
+from reference import paged_attention as ref
+from reference.bf16 import f32_to_bf16, round_to_bf16
+from reference.kv_cache import allocate_kv_cache, kv_cache_write
+
+seeds = st.integers(0, 2**32 - 1)
+KINDS = ("normal", "large", "tied", "negative")
+kinds = st.sampled_from(KINDS)
+# (num_kv_heads, group): GQA ratios 1, 3 and 4 (and 2 with several KV heads); the simulator keeps Hq <= 4.
+heads = st.sampled_from(pick([(1, 1), (2, 1), (1, 3), (1, 4), (2, 2)], [(8, 4), (8, 1), (8, 3), (2, 4), (1, 3)]))
+head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
+block_sizes = st.sampled_from(pick([1, 3, 16], [16, 32, 16, 5]))
+
+
+def decode_contexts():
+    if SIM:  # past 64 keys a warp of the simulator's 2-warp blocks walks a second tile (the rescaling path)
+        return st.lists(st.one_of(st.integers(1, 40), st.integers(60, 140)), min_size=1, max_size=3)
+    few_long = st.lists(st.one_of(st.integers(1, 8192), st.sampled_from([1, 33, 4096, 8191, 8192])),
+                        min_size=1, max_size=3)
+    many_short = st.lists(st.integers(1, 300), min_size=1, max_size=256)
+    return st.one_of(few_long, many_short)
+
+
+def prefill_chunks():
+    """(q_len, cached prefix) per sequence; q_len 0 is a sequence with nothing to prefill this step."""
+    if SIM:
+        chunk = st.tuples(st.integers(0, 12), st.integers(0, 40))   # past 32 keys: a second K/V tile
+        return st.lists(chunk, min_size=1, max_size=3).filter(lambda c: any(n for n, _ in c))
+    few_long = st.lists(st.tuples(st.integers(0, 512), st.integers(0, 1536)), min_size=1, max_size=2)
+    many_short = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 300)), min_size=1, max_size=64)
+    return st.one_of(few_long, many_short).filter(lambda c: any(n for n, _ in c))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs and tolerances
+
+
+def make_cache(rng, contexts, block_size, hkv, d, kind, spare_blocks=3):
+    """K/V for each context written through random non-contiguous block tables; every other slot is NaN.
+
+    Returns k_cache, v_cache, block_tables, and per sequence the bf16-rounded (ctx, Hkv, d) K and V, plus one
+    unit-ish direction per KV head that the 'negative' kind aligns the queries against."""
+    blocks_needed = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(blocks_needed) + spare_blocks
+    perm = rng.permutation(num_blocks)
+    tables = np.full((len(contexts), max(max(blocks_needed), 1)), -1, np.int32)
+    k_cache = allocate_kv_cache(num_blocks, block_size, hkv, d)
+    v_cache = allocate_kv_cache(num_blocks, block_size, hkv, d)
+    direction = rng.standard_normal((hkv, d)).astype(np.float32)
+    ks, vs, used = [], [], 0
+    for s, ctx in enumerate(contexts):
+        tables[s, : blocks_needed[s]] = perm[used: used + blocks_needed[s]]
+        used += blocks_needed[s]
+        if kind == "tied":        # every key of a head is the same vector: all scores exactly equal
+            k = np.broadcast_to(rng.standard_normal((1, hkv, d), dtype=np.float32), (ctx, hkv, d))
+        elif kind == "negative":  # keys close to `direction`; queries point the other way
+            k = direction + 0.05 * rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        else:
+            k = rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        v = rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        j = np.arange(ctx)
+        kv_cache_write(np.ascontiguousarray(k, np.float32), v, k_cache, v_cache,
+                       tables[s, j // block_size] * block_size + j % block_size)
+        ks.append(round_to_bf16(k))
+        vs.append(round_to_bf16(v))
+    return k_cache, v_cache, tables, ks, vs, direction
+
+
+def make_queries(rng, n, hkv, group, d, kind, direction):
+    q = rng.standard_normal((n, hkv * group, d), dtype=np.float32)
+    if kind == "large":
+        q *= np.float32(100)
+    elif kind == "negative":
+        # scores around -300 * |direction|^2 * scale (hundreds to thousands below zero), spread by the noise
+        q = np.repeat(-300 * direction, group, axis=0)[None] + q
+    return q.astype(np.float32)
+
+
+def attention_atol(queries, ks, vs, scale, group):
+    """Absolute tolerance on attention outputs, from the fp32 error terms (both sides compute in fp32).
+
+    queries, ks, vs: per sequence, its (n, Hq, d) queries and (ctx, Hkv, d) keys and values. smag is the
+    largest scale * sum_i |q_i k_i| over the (query, key) pairs that meet (it bounds every |score|), n the
+    longest context. The output is a weighted mean of values, so errors are in units of max|v|:
+    - exp(s - m) and the rescaling by exp(m_old - m_new) carry the rounding of their arguments, about
+      eps * |score|, into every weight: 16 eps (1 + smag), as in test_reference_ops' online-softmax test;
+    - a score is an fp32 dot product of length d, summed in another order: about eps sqrt(d) smag per side,
+      and a score error moves the output by up to twice that: 4 eps sqrt(d) smag;
+    - the sums of up to n weights and weighted values, in another order: 8 eps sqrt(n).
+    """
+    smag, vmax, n = 0.0, 0.0, 1
+    for q, k, v in zip(queries, ks, vs):
+        if len(q) and len(k):
+            qa = np.abs(q).transpose(1, 0, 2)                                   # (Hq, n_q, d)
+            ka = np.repeat(np.abs(k), group, axis=1).transpose(1, 2, 0)         # (Hq, d, ctx)
+            smag = max(smag, abs(scale) * float((qa @ ka).max()))
+            vmax = max(vmax, float(np.abs(v).max()))
+            n = max(n, len(k))
+    d = ks[0].shape[-1]
+    return vmax * F32_EPS * (16 * (1 + smag) + 4 * np.sqrt(d) * smag + 8 * np.sqrt(n)) + 1e-30
+
+
+def decode_atol(q, ks, vs, scale, group):
+    """attention_atol for decode: query s belongs to sequence s."""
+    return attention_atol([q[s:s + 1] for s in range(len(q))], ks, vs, scale, group)
+
+
+def devices(*arrays):
+    return [to_device(a) for a in arrays]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode: PagedAttention v1
+
+
+@settings(max_examples=pick(10, 60))
+@given(seeds, decode_contexts(), heads, head_dims, block_sizes, kinds)
+# always: two KV heads of two query heads each, and a warp that walks several tiles (rescaling its state)
+@example(seed=1, contexts=[300, 3], hg=(2, 2), d=16, block_size=3, kind="normal")
+def test_paged_attention_matches_reference(seed, contexts, hg, d, block_size, kind):
+    rng = np.random.default_rng(seed)
+    hkv, group = hg
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
+    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
+    lens = np.array(contexts, np.int32)
+    scale = 1 / np.sqrt(d)
+    out = device_empty(q.shape, np.float32)
+    paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out)
+    want = ref.paged_attention(q, k_cache, v_cache, tables, lens, scale)
+    assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode: split-K
+
+
+partition_sizes = st.sampled_from(pick([1, 7, 16, 32, 64], [64, 256, 512, 100, 2048]))
+
+
+@settings(max_examples=pick(8, 40))
+@given(seeds, decode_contexts(), heads, head_dims, block_sizes, partition_sizes, st.integers(0, 2), kinds)
+@example(seed=1, contexts=[300, 3], hg=(2, 2), d=16, block_size=16, partition_size=160, extra_partitions=1,
+         kind="normal")
+def test_paged_attention_split_partials_and_output(seed, contexts, hg, d, block_size, partition_size,
+                                                   extra_partitions, kind):
+    if SIM:  # the simulator pays per block: at most six partitions per (sequence, head)
+        partition_size = max(partition_size, -(-max(contexts) // 6))
+    rng = np.random.default_rng(seed)
+    hkv, group = hg
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
+    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
+    lens = np.array(contexts, np.int32)
+    scale = 1 / np.sqrt(d)
+    # A workspace sized for a longer maximum context than this batch has: trailing partitions are empty.
+    shapes = paged_attention.split_workspace_shapes(len(contexts), hkv * group, d,
+                                                    max(contexts) + extra_partitions * partition_size,
+                                                    partition_size)
+    partial_out, partial_max, partial_sum = (device_empty(shape, np.float32) for shape in shapes)
+    out = device_empty(q.shape, np.float32)
+    paged_attention.paged_attention_split(*devices(q, k_cache, v_cache, tables, lens), scale, out,
+                                          partial_out, partial_max, partial_sum, partition_size)
+    atol = decode_atol(q, ks, vs, scale, group)
+    assert_close(out, ref.paged_attention(q, k_cache, v_cache, tables, lens, scale), atol=atol, rtol=4 * F32_EPS)
+
+    want_out, want_max, want_sum = ref.paged_attention_partitioned(q, k_cache, v_cache, tables, lens, scale,
+                                                                   partition_size)
+    got_out, got_max, got_sum = (a.copy_to_host() for a in (partial_out, partial_max, partial_sum))
+    p = want_max.shape[2]
+    # Partitions past a context, including the workspace's extra ones, are exactly neutral.
+    neutral = np.zeros(got_max.shape, bool)
+    neutral[:, :, :p] = ~np.isfinite(want_max)
+    neutral[:, :, p:] = True
+    assert np.all(got_max[neutral] == -np.inf) and np.all(got_sum[neutral] == 0)
+    assert np.all(got_out[neutral] == 0)
+    live = ~neutral[:, :, :p]
+    # The others: the same max (a score, so a score's tolerance), the same sum and normalised acc.
+    smax_tol = atol / max(float(np.abs(np.concatenate([v.ravel() for v in vs])).max()), 1e-30)
+    np.testing.assert_allclose(got_max[:, :, :p][live], want_max[live], atol=smax_tol, rtol=0)
+    np.testing.assert_allclose(got_sum[:, :, :p][live], want_sum[live], rtol=smax_tol + 4 * F32_EPS)
+    with np.errstate(invalid="ignore", divide="ignore"):   # 0 / 0 in the neutral partitions, masked out
+        got_normalised = got_out[:, :, :p] / got_sum[:, :, :p, None]
+        want_normalised = want_out / want_sum[..., None]
+    np.testing.assert_allclose(got_normalised[live], want_normalised[live], atol=atol, rtol=4 * F32_EPS)
+
+
+@settings(max_examples=pick(6, 40))
+@given(seeds, decode_contexts(), heads, head_dims, partition_sizes, kinds)
+def test_paged_attention_reduce_merges_reference_partials(seed, contexts, hg, d, partition_size, kind):
+    rng = np.random.default_rng(seed)
+    hkv, group = hg
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, 16, hkv, d, kind)
+    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
+    lens = np.array(contexts, np.int32)
+    scale = 1 / np.sqrt(d)
+    partials = ref.paged_attention_partitioned(q, k_cache, v_cache, tables, lens, scale, partition_size)
+    out = device_empty(q.shape, np.float32)
+    paged_attention.paged_attention_reduce(*devices(*partials, lens), partition_size, out)
+    want = ref.paged_attention_reduce(*partials, lens, partition_size)
+    assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
+
+
+@settings(max_examples=pick(40, 100))
+@given(seeds, st.lists(st.integers(1, 200), min_size=1, max_size=4), heads, st.sampled_from([8, 16]),
+       st.sampled_from([1, 3, 16]), st.integers(1, 80), kinds)
+def test_reference_split_k_equals_paged_attention(seed, contexts, hg, d, block_size, partition_size, kind):
+    """The NumPy twins of the split-K kernels, against the math reference (NumPy only, no kernel)."""
+    rng = np.random.default_rng(seed)
+    hkv, group = hg
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
+    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
+    lens = np.array(contexts, np.int32)
+    partials = ref.paged_attention_partitioned(q, k_cache, v_cache, tables, lens, 0.3, partition_size)
+    assert partials[0].shape[2] == -(-max(contexts) // partition_size)
+    got = ref.paged_attention_reduce(*partials, lens, partition_size)
+    want = ref.paged_attention(q, k_cache, v_cache, tables, lens, 0.3)
+    np.testing.assert_allclose(got, want, atol=decode_atol(q, ks, vs, 0.3, group), rtol=4 * F32_EPS)
+
+
+def test_decode_padding_slots_give_zeros():
+    """context_len 0 (a padding slot of a fixed-size batch, block table all -1) writes 0, reads nothing."""
+    rng = np.random.default_rng(0)
+    k_cache, v_cache, tables, ks, vs, _ = make_cache(rng, [5, 1], 4, 1, 8, "normal")
+    tables = np.concatenate([tables, np.full((1, tables.shape[1]), -1, np.int32)])
+    lens = np.array([5, 1, 0], np.int32)
+    q = rng.standard_normal((3, 2, 8), dtype=np.float32)
+    want = ref.paged_attention(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.5)
+    out = device_empty(q.shape, np.float32)
+    paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), 0.5, out)
+    got = out.copy_to_host()
+    assert np.all(got[2] == 0)
+    assert_close(got[:2], want, atol=decode_atol(q[:2], ks, vs, 0.5, 2), rtol=4 * F32_EPS)
+    shapes = paged_attention.split_workspace_shapes(3, 2, 8, 5, 4)
+    work = [device_empty(shape, np.float32) for shape in shapes]
+    out = device_empty(q.shape, np.float32)
+    paged_attention.paged_attention_split(*devices(q, k_cache, v_cache, tables, lens), 0.5, out, *work, 4)
+    got = out.copy_to_host()
+    assert np.all(got[2] == 0)
+    assert_close(got[:2], want, atol=decode_atol(q[:2], ks, vs, 0.5, 2), rtol=4 * F32_EPS)
+    assert np.all(work[1].copy_to_host()[2] == -np.inf)
+
+
+def test_split_workspace_shapes():
+    assert paged_attention.split_workspace_shapes(3, 32, 64, 8192, 512) == ((3, 32, 16, 64), (3, 32, 16),
+                                                                            (3, 32, 16))
+    assert paged_attention.split_workspace_shapes(1, 8, 64, 513, 512)[1] == (1, 8, 2)
+    assert paged_attention.split_workspace_shapes(1, 8, 64, 0, 512)[1] == (1, 8, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill
+
+
+def run_prefill(launcher, rng, chunks, hkv, group, d, block_size, kind):
+    q_lens = [n for n, _ in chunks]
+    contexts = [n + cached for n, cached in chunks]
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, [max(c, 1) for c in contexts], block_size,
+                                                             hkv, d, kind)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = make_queries(rng, int(cu[-1]), hkv, group, d, kind, direction)
+    lens = np.array(contexts, np.int32)
+    scale = 1 / np.sqrt(d)
+    out = device_empty(q.shape, np.float32)
+    launcher(*devices(q, k_cache, v_cache, tables, cu, lens), scale, out, max(q_lens))
+    want = ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    atol = attention_atol([q[cu[s]:cu[s + 1]] for s in range(len(chunks))], ks, vs, scale, group)
+    assert_close(out, want, atol=atol, rtol=4 * F32_EPS)
+
+
+@settings(max_examples=pick(10, 60))
+@given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds)
+@example(seed=1, chunks=[(9, 60), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal")
+def test_prefill_attention_matches_reference(seed, chunks, hg, d, block_size, kind):
+    run_prefill(attention.prefill_attention, np.random.default_rng(seed), chunks, *hg, d, block_size, kind)
+
+
+@settings(max_examples=pick(5, 30))
+@given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds)
+def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_size, kind):
+    if SIM:  # one simulated block per (query token, head): keep the batch small
+        chunks = [(min(n, 6), cached) for n, cached in chunks]
+        if not any(n for n, _ in chunks):
+            chunks[0] = (1, chunks[0][1])
+    run_prefill(attention.prefill_attention_naive, np.random.default_rng(seed), chunks, *hg, d, block_size,
+                kind)
+
+
+def test_prefill_one_query_per_sequence_equals_decode():
+    """q_len 1 at the end of each context is exactly a decode step."""
+    rng = np.random.default_rng(1)
+    contexts = [1, 33, 17]
+    k_cache, v_cache, tables, ks, vs, _ = make_cache(rng, contexts, 16, 1, 16, "normal")
+    q = rng.standard_normal((3, 4, 16), dtype=np.float32)
+    lens = np.array(contexts, np.int32)
+    out = device_empty(q.shape, np.float32)
+    attention.prefill_attention(*devices(q, k_cache, v_cache, tables, np.arange(4, dtype=np.int32), lens), 0.25,
+                                out, 1)
+    want = ref.paged_attention(q, k_cache, v_cache, tables, lens, 0.25)
+    assert_close(out, want, atol=decode_atol(q, ks, vs, 0.25, 4), rtol=4 * F32_EPS)
+
+
+def test_naive_prefill_flags_contexts_it_cannot_hold():
+    """Past NAIVE_MAX_CONTEXT keys the naive kernel writes NaN instead of a wrong answer (it reads nothing)."""
+    k_cache = allocate_kv_cache(1, 4, 1, 8)
+    tables = np.zeros((1, 1), np.int32)
+    q = np.ones((2, 1, 8), np.float32)
+    out = device_empty(q.shape, np.float32)
+    lens = np.array([attention.NAIVE_MAX_CONTEXT + 1], np.int32)
+    attention.prefill_attention_naive(*devices(q, k_cache, k_cache, tables, np.array([0, 1], np.int32), lens),
+                                      1.0, out, 1)
+    assert np.all(np.isnan(out.copy_to_host()[0]))
+
+
+@pytest.mark.skipif(not SIM, reason="a GPU device function cannot be called from the host; kernels use it there")
+def test_bf16x4_unpacking_device_version():
+    """The GPU's unpacking of 4 bf16 per uint64 (the simulator uses a NumPy one in the kernels)."""
+    values = np.array([1.5, -2.25, 3e38, -0.0, np.nan, 7.0, 1e-38, -65504.0], np.float32)
+    words = f32_to_bf16(values).view(np.uint64)
+    for i, word in enumerate(words):
+        want = round_to_bf16(values[4 * i: 4 * i + 4])
+        for fn in (attention.unpack_bf16x4_device, attention.unpack_bf16x4):
+            got = np.array(fn(word), np.float32)
+            assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launcher errors
+
+
+def _decode_args(**changes):
+    args = dict(q=np.zeros((2, 4, 16), np.float32), k_cache=np.zeros((3, 4, 2, 16), np.uint16),
+                v_cache=np.zeros((3, 4, 2, 16), np.uint16), block_tables=np.zeros((2, 2), np.int32),
+                context_lens=np.ones(2, np.int32), scale=0.25, out=np.zeros((2, 4, 16), np.float32))
+    args.update(changes)
+    return {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(q=np.zeros((2, 4, 16), np.float64)), "q: expected"),
+    (dict(q=np.zeros((2, 4), np.float32)), "q: expected"),
+    (dict(q=np.zeros((2, 4, 12), np.float32), out=np.zeros((2, 4, 12), np.float32)), "multiple of 8"),
+    (dict(q=np.zeros((2, 4, 136), np.float32), out=np.zeros((2, 4, 136), np.float32)), "multiple of 8"),
+    (dict(k_cache=np.zeros((3, 4, 2, 16), np.float32)), "k_cache"),
+    (dict(k_cache=np.zeros((3, 4, 2, 8), np.uint16)), "k_cache"),
+    (dict(v_cache=np.zeros((3, 4, 1, 16), np.uint16)), "v_cache"),
+    (dict(k_cache=np.zeros((3, 4, 3, 16), np.uint16), v_cache=np.zeros((3, 4, 3, 16), np.uint16)),
+     "not a multiple of num_kv_heads"),
+    (dict(block_tables=np.zeros((2, 2), np.int64)), "block_tables"),
+    (dict(block_tables=np.zeros((3, 2), np.int32)), "block_tables"),
+    (dict(context_lens=np.ones(2, np.int64)), "context_lens"),
+    (dict(context_lens=np.ones(3, np.int32), block_tables=np.zeros((3, 2), np.int32)), "context_lens"),
+    (dict(out=np.zeros((2, 4, 8), np.float32)), "out: expected"),
+])
+def test_decode_launcher_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        paged_attention.paged_attention(**_decode_args(**changes))
+
+
+def test_non_contiguous_cache_is_refused():
+    cache = to_device(np.zeros((3, 4, 2, 32), np.uint16))[:, :, :, :16]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        paged_attention.paged_attention(**_decode_args(k_cache=cache, v_cache=cache))
+
+
+@pytest.mark.parametrize("shapes, partition_size, message", [
+    (((2, 4, 2, 16), (2, 4, 2), (2, 4, 2)), 0, "partition_size"),
+    (((2, 4, 2, 16), (2, 4, 2), (2, 4, 2)), 2.5, "partition_size"),
+    (((2, 4, 2, 8), (2, 4, 2), (2, 4, 2)), 4, "partial_out"),
+    (((2, 3, 2, 16), (2, 3, 2), (2, 3, 2)), 4, "partial_out"),
+    (((2, 4, 2, 16), (2, 4, 3), (2, 4, 2)), 4, "partial_max"),
+    (((2, 4, 2, 16), (2, 4, 2), (2, 4)), 4, "partial_sum"),
+])
+def test_split_launcher_errors(shapes, partition_size, message):
+    work = [device_empty(shape, np.float32) for shape in shapes]
+    with pytest.raises(ValueError, match=message):
+        paged_attention.paged_attention_split(**_decode_args(), partial_out=work[0], partial_max=work[1],
+                                              partial_sum=work[2], partition_size=partition_size)
+    if message in ("partition_size", "partial_max", "partial_sum"):
+        with pytest.raises(ValueError, match=message):
+            paged_attention.paged_attention_reduce(*work, to_device(np.ones(2, np.int32)), partition_size,
+                                                   device_empty((2, 4, 16), np.float32))
+
+
+@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive])
+@pytest.mark.parametrize("changes, message", [
+    (dict(cu_seqlens_q=np.zeros(2, np.int32)), "cu_seqlens_q"),
+    (dict(cu_seqlens_q=np.zeros(3, np.int64)), "cu_seqlens_q"),
+    (dict(out=np.zeros((5, 4, 16), np.float64)), "out: expected"),
+    (dict(max_q_len=-1), "max_q_len"),
+    (dict(max_q_len=2.5), "max_q_len"),
+    (dict(q=np.zeros((5, 4, 20), np.float32), out=np.zeros((5, 4, 20), np.float32)), "multiple of 8"),
+])
+def test_prefill_launcher_errors(launcher, changes, message):
+    args = dict(q=np.zeros((5, 4, 16), np.float32), k_cache=np.zeros((3, 4, 2, 16), np.uint16),
+                v_cache=np.zeros((3, 4, 2, 16), np.uint16), block_tables=np.zeros((2, 2), np.int32),
+                cu_seqlens_q=np.array([0, 2, 5], np.int32), context_lens=np.array([3, 4], np.int32),
+                scale=0.25, out=np.zeros((5, 4, 16), np.float32), max_q_len=3)
+    args.update(changes)
+    args = {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    with pytest.raises(ValueError, match=message):
+        launcher(**args)

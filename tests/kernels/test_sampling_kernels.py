@@ -1,0 +1,447 @@
+"""Sampling kernels (argmax, argmax_naive, sample) against reference/sampling.py.
+
+Greedy tokens must equal the reference's exactly. A sampled token may differ from the reference's only
+where floating-point summation order can legitimately decide it: the reference sums p in float32 (a
+sequential cumsum for top-p and for the draw, numpy's pairwise sum for the softmax denominator), the kernel
+in float64 and in exact fixed point. So where the two tokens differ, `acceptable_tokens` must show that the
+reference's row sits within rounding of a decision boundary (its cumulative mass within tolerance of top_p,
+or u * total within tolerance of a cumulative boundary, or a p within a few ulps of a threshold), and the
+kernel's token must be one that the other side of that boundary gives. Tolerances are derived from float32
+eps: the reference's own cumsum error (measured against float64), plus a bound for the kernel's p (exp and
+the softmax denominator a few ulps apart). `test_the_oracle_is_narrow` checks that these windows are rare,
+so the comparison is not vacuous.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_support import F32_EPS, SIM, device_empty, pick, sizes, to_device
+
+from cuda_kernels import sampling as kernels
+from reference import sampling as ref
+
+seeds = st.integers(0, 2**32 - 1)
+vocabs = sizes(300, [128256, 49152], 5000)
+rows = sizes(4, [1, 64, 256], 300)
+# simulated threads are Python threads: small blocks there; the engine's sizes on the GPU
+block_sizes = st.sampled_from(pick([32, 64], [256, 512, 1024]))
+BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
+KINDS = ("normal", "ties", "equal", "neg_inf", "huge", "very_negative", "peaked", "flat")
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+def make_row(rng, kind, vocab):
+    """One row of logits of the given kind (see KINDS); every row has at least one finite logit."""
+    x = (rng.standard_normal(vocab) * 4).astype(np.float32)
+    if kind == "ties":  # many exactly equal logits, so thresholds fall on ties
+        x = np.round(x)
+    elif kind == "equal":
+        x = np.full(vocab, np.float32(rng.standard_normal() * 10), np.float32)
+    elif kind == "neg_inf":  # masked tokens
+        x[rng.random(vocab) < 0.4] = -np.inf
+        x[rng.integers(vocab)] = np.float32(rng.standard_normal())
+    elif kind == "huge":  # one-hot-like softmax, z far from 0 (finite for T >= 0.05)
+        x = (rng.standard_normal(vocab) * 1e30).astype(np.float32)
+    elif kind == "very_negative":  # the max subtraction must happen before exp
+        x = (x - np.float32(3e4)).astype(np.float32)
+    elif kind == "peaked":  # a few likely tokens over a long flat tail, as in real LM logits
+        x = (rng.standard_normal(vocab) * 0.5).astype(np.float32)
+        x[rng.integers(vocab, size=min(vocab, 3))] += np.float32(8)
+    elif kind == "flat":  # distinct p within a few percent of each other: many share their leading bits, so
+        # the radix searches need all three digits (as a 128256-token vocabulary does)
+        x = (rng.standard_normal(vocab) * 0.05).astype(np.float32)
+    return x
+
+
+def launch_sample(logits, temperature, top_k, top_p, min_p, uniform, threads):
+    out = device_empty(logits.shape[0], np.int32)
+    kernels.sample(to_device(logits), to_device(np.asarray(temperature, np.float32)),
+                   to_device(np.asarray(top_k, np.int32)), to_device(np.asarray(top_p, np.float32)),
+                   to_device(np.asarray(min_p, np.float32)), to_device(np.asarray(uniform, np.float32)), out,
+                   threads=threads)
+    return out.copy_to_host()
+
+
+def acceptable_tokens(row, temperature, top_k, top_p, min_p, u):
+    """Every token a correct kernel may draw for this row, given float32 rounding in both implementations.
+
+    Work on groups of equal z = l / T (equal z give equal p in any implementation, and p is non-decreasing in
+    z in both, so every kept set is a run of the largest groups: "keep groups 0..g"). For each filter, the
+    range of g that rounding can produce; then, for each possible kept set, the tokens whose cumulative mass
+    interval touches u * total within tolerance.
+    """
+    row = np.asarray(row, np.float32)
+    vocab = row.size
+    if temperature == 0:
+        return {int(ref.argmax(row[None])[0])}
+    z = row / np.float32(temperature)
+    p = np.exp(z - z.max())
+    p /= p.sum()                                     # the reference's float32 p, bit for bit
+    levels, group = np.unique(-z, return_inverse=True)  # group 0 holds the largest z
+    group = group.reshape(-1)
+    n = levels.size
+    pg = np.zeros(n, np.float64)
+    pg[group] = p
+    # the kernel's p may differ from the reference's by a few ulps: exp (libdevice vs numpy, 2-3 ulps each),
+    # the denominator (numpy's pairwise float32 sum vs float64, up to ~log2(V) ulps) and the division
+    delta = (32 + 2 * math.log2(vocab)) * F32_EPS
+    fixed = vocab * 2.0 ** -56                       # the kernel's fixed-point truncation, at most
+
+    def last_near(t):
+        """the last group whose p is within delta of t or above: ties the kernel may see that p hides"""
+        return int(np.count_nonzero(pg >= t * (1 - delta))) - 1
+
+    ranges = [(n - 1, n - 1)]
+    if 0 < top_k < vocab:
+        # the k-th largest token by z is the same in both; its group is kept, and any group tied with it
+        g = int(np.searchsorted(np.cumsum(np.bincount(group, minlength=n)), top_k))
+        ranges.append((g, last_near(pg[g])))
+    if top_p < 1:
+        mass = np.cumsum(pg * np.bincount(group, minlength=n))   # exact mass of groups 0..g
+        ordered = np.sort(p)[::-1]
+        cum_error = float(np.max(np.abs(np.cumsum(ordered) - np.cumsum(ordered.astype(np.float64)))))
+        tol = cum_error + 2 * delta + fixed
+        ok = [g for g in range(n) if mass[g] >= top_p - tol and (g == 0 or mass[g - 1] < top_p + tol)]
+        if mass[-1] < top_p + tol:
+            ok.append(n - 1)                          # short of top_p: every token kept
+        ranges.append((min(ok), last_near(pg[max(ok)])))
+    if min_p > 0:
+        # no group sits at this threshold: the ones within delta of it may fall either side
+        t = np.float32(min_p) * p.max()
+        ranges.append((max(int(np.count_nonzero(pg > t * (1 + delta))) - 1, 0), max(last_near(t), 0)))
+    g_lo, g_hi = min(r[0] for r in ranges), min(r[1] for r in ranges)
+
+    tokens = set()
+    for g in range(g_lo, g_hi + 1):
+        kept = np.where(group <= g, p, np.float32(0))
+        c64 = np.cumsum(kept.astype(np.float64))
+        total = c64[-1]
+        tol = float(np.max(np.abs(np.cumsum(kept) - c64))) + (F32_EPS + 2 * delta) * total + fixed
+        target = float(np.float32(u)) * total
+        before = np.concatenate([[0.0], c64[:-1]])
+        tokens.update(np.flatnonzero((kept > 0) & (before <= target + tol) & (c64 > target - tol)).tolist())
+        if target + tol >= total:
+            tokens.add(int(np.flatnonzero(kept)[-1]))
+    return tokens
+
+
+def assert_tokens_match(got, logits, temperature, top_k, top_p, min_p, uniform):
+    # the parameters exactly as the kernel saw them
+    temperature, top_p, min_p, uniform = (np.asarray(a, np.float32) for a in (temperature, top_p, min_p, uniform))
+    top_k = np.asarray(top_k, np.int32)
+    want = ref.sample(logits, temperature, top_k, top_p, min_p, uniform)
+    for s in np.flatnonzero(got != want):
+        ok = acceptable_tokens(logits[s], temperature[s], int(top_k[s]), float(top_p[s]), float(min_p[s]),
+                               uniform[s])
+        params = dict(T=temperature[s], top_k=top_k[s], top_p=top_p[s], min_p=min_p[s], u=uniform[s])
+        assert int(want[s]) in ok, f"row {s}: the oracle rejects the reference's token {want[s]} ({params})"
+        assert int(got[s]) in ok, (f"row {s}: kernel drew {got[s]}, reference {want[s]}, and no rounding "
+                                   f"boundary explains it; acceptable {sorted(ok)[:8]} ({params})")
+
+
+# --- argmax -------------------------------------------------------------------------------------------------
+
+@given(seeds, rows, vocabs, block_sizes, st.sampled_from(KINDS))
+def test_argmax_matches_reference(seed, num_seqs, vocab, threads, kind):
+    rng = np.random.default_rng(seed)
+    logits = np.stack([make_row(rng, kind, vocab) for _ in range(num_seqs)])
+    d_logits, out = to_device(logits), device_empty(num_seqs, np.int32)
+    want = ref.argmax(logits)
+    kernels.argmax(d_logits, out, threads=threads)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+    kernels.argmax_naive(d_logits, out, threads=32)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+def test_argmax_ties_nan_and_infinities_follow_numpy():
+    v = pick(70, 128256)
+    logits = np.zeros((6, v), np.float32)
+    logits[0, [5, 9, v - 1]] = 3.0                      # tied maxima: the first
+    logits[1] = -np.inf                                 # all -inf: index 0
+    logits[1, v - 1] = -np.inf
+    logits[2, [3, 40]] = np.nan                         # NaN beats everything, the first NaN wins
+    logits[2, 10] = np.inf
+    logits[3, v - 1] = np.inf                           # +inf at the very end
+    logits[4] = np.float32(-3e38)                       # all equal and very negative
+    logits[5, 33] = np.float32(1e-45)                   # a denormal above zeros
+    want = np.argmax(logits, axis=-1)
+    assert want.tolist() == [5, 0, 3, v - 1, 0, 33]
+    d, out = to_device(logits), device_empty(6, np.int32)
+    for threads in pick([32, 64], [256, 1024]):
+        kernels.argmax(d, out, threads=threads)
+        assert out.copy_to_host().tolist() == want.tolist()
+    kernels.argmax_naive(d, out)
+    assert out.copy_to_host().tolist() == want.tolist()
+    zeros = np.zeros(6)
+    got = launch_sample(logits, zeros, zeros, np.ones(6), zeros, np.full(6, 0.5), pick(32, 512))
+    assert got.tolist() == want.tolist()                # temperature 0 rows are greedy
+
+
+# --- sample -------------------------------------------------------------------------------------------------
+
+@st.composite
+def sampling_batches(draw):
+    """(logits, temperature, top_k, top_p, min_p, uniform, threads): per-row kinds and parameters."""
+    num_seqs, vocab, threads = draw(rows), draw(vocabs), draw(block_sizes)
+    rng = np.random.default_rng(draw(seeds))
+    # the first row's parameters are drawn; further rows (on the GPU, up to hundreds) mix them at random
+    first = dict(
+        kind=draw(st.sampled_from(KINDS)),
+        temperature=draw(st.sampled_from([0.0, 0.05, 0.7, 1.0]) | st.floats(0.05, 3.0)),
+        top_k=draw(st.sampled_from([0, -1, 1, 2, vocab - 1, vocab, vocab + 3]) | st.integers(1, vocab)),
+        top_p=draw(st.sampled_from([1.0, 0.9, 0.5, 1e-6, BELOW_ONE]) | st.floats(0.01, 1.0)),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.05, 1.0]) | st.floats(0.0, 0.5)),
+        u=draw(st.sampled_from([0.0, 0.5, BELOW_ONE]) | st.floats(0.0, 1.0, exclude_max=True)),
+    )
+    table = [first] + [dict(
+        kind=KINDS[rng.integers(len(KINDS))],
+        temperature=float(rng.choice([0.0, 0.6, 1.0, 1.5])),
+        top_k=int(rng.choice([0, 1, 50, vocab, int(rng.integers(1, vocab + 1))])),
+        top_p=float(rng.choice([1.0, 0.9, 0.3, rng.random()])),
+        min_p=float(rng.choice([0.0, 0.1, rng.random() * 0.3])),
+        u=float(rng.random()),
+    ) for _ in range(num_seqs - 1)]
+    logits = np.stack([make_row(rng, r["kind"], vocab) for r in table])
+    column = lambda key, dtype: np.array([r[key] for r in table], dtype)  # noqa: E731
+    return (logits, column("temperature", np.float32), column("top_k", np.int32), column("top_p", np.float32),
+            column("min_p", np.float32), column("u", np.float32), threads)
+
+
+@settings(max_examples=pick(25, 20))
+@given(sampling_batches())
+def test_sample_matches_reference(batch):
+    *args, threads = batch
+    assert_tokens_match(launch_sample(*args, threads), *args)
+
+
+def test_sample_extreme_rows_in_one_launch():
+    """Every kind of row and filter at once, so each run covers them whatever hypothesis draws."""
+    rng = np.random.default_rng(7)
+    v = pick(150, 49152)
+    kinds = ["normal", "ties", "equal", "neg_inf", "huge", "very_negative", "peaked", "flat", "normal"]
+    logits = np.stack([make_row(rng, k, v) for k in kinds])
+    # the last row's negative temperature is outside SamplingParams but defined by the reference: p of -l
+    temperature = np.array([1, 0.8, 1, 0.5, 1, 1, 0.05, 2, -0.7], np.float32)
+    top_k = np.array([1, 5, 3, 0, 2, 50, v, v - 1, 0], np.int32)
+    top_p = np.array([1, 0.9, 0.5, 0.95, 1e-6, 0.2, BELOW_ONE, 0.7, 1], np.float32)
+    min_p = np.array([0, 0.1, 0, 0.01, 0, 0.05, 1.0, 0, 0.1], np.float32)
+    for u in (0.0, 0.37, BELOW_ONE):
+        uniform = np.full(len(kinds), u, np.float32)
+        args = (logits, temperature, top_k, top_p, min_p, uniform)
+        assert_tokens_match(launch_sample(*args, pick(32, 512)), *args)
+
+
+def test_top_k_one_tiny_top_p_and_min_p_one_are_greedy():
+    rng = np.random.default_rng(3)
+    v = pick(100, 128256)
+    logits = rng.standard_normal((6, v), dtype=np.float32)
+    ones, zeros = np.ones(6), np.zeros(6)
+    top_k = np.array([1, 1, 0, 0, 0, 0])
+    top_p = np.array([1, 1, 1e-6, 1e-6, 1, 1])
+    min_p = np.array([0, 0, 0, 0, 1, 1])
+    uniform = np.array([0.0, BELOW_ONE, 0.0, 0.5, 0.3, BELOW_ONE])
+    got = launch_sample(logits, ones, top_k, top_p, min_p, uniform, pick(32, 512))
+    assert got.tolist() == ref.argmax(logits).tolist()
+
+
+def test_exact_boundaries_follow_the_reference():
+    """Where no rounding happens at all, no tolerance applies: ties give p = 1/n exactly."""
+    logits = np.zeros((6, 4), np.float32)           # p = 1/4 each, cumulative 1/4, 1/2, 3/4, 1
+    logits[4:, 2:] = -np.inf                        # p = 1/2, 1/2, 0, 0
+    uniform = np.array([0.25, 0.5, 0.75, 0.0, 0.5, BELOW_ONE])
+    ones, zeros = np.ones(6), np.zeros(6)
+    got = launch_sample(logits, ones, zeros, ones, zeros, uniform, 32)
+    want = ref.sample(logits, ones, zeros, ones, zeros, uniform)
+    assert want.tolist() == [1, 2, 3, 0, 1, 1]      # the first token whose cumulative mass EXCEEDS u * total
+    assert got.tolist() == want.tolist()
+    # the same inside the draw's second level: V = 2^m equal logits, p = 2^-m, more than one token per
+    # sub-chunk, and an odd boundary so that it falls between two tokens of the same sub-chunk
+    threads = pick(32, 256)
+    v = pick(2048, 131072)
+    assert -(-v // threads) > threads
+    k = np.array([1001, v - 3])
+    got = launch_sample(np.zeros((2, v), np.float32), ones[:2], zeros[:2], ones[:2], zeros[:2], k / v, threads)
+    assert got.tolist() == k.tolist()
+
+
+def test_radix_searches_stop_only_when_decided():
+    """Rows built so that a digit's bucket holds the answer together with other tokens: stopping there
+    would keep those too."""
+    rng = np.random.default_rng(4)
+    flat = make_row(rng, "flat", pick(150, 49152))                     # ~50 tokens per first-digit bucket
+    # pairs 0.1% apart share their first-digit bucket; top_p ends between the two halves of the second pair
+    w = np.array([1.0, 0.999, 0.5, 0.4995, 0.25, 0.24975], np.float64)
+    pairs = np.log(w).astype(np.float32)[[0, 1, 2, 4, 5, 3]]            # the 0.4995 token last
+    p = np.exp(pairs - pairs.max())
+    p /= p.sum()
+    bits = p.view(np.uint32) >> (2 * kernels.RADIX_BITS)
+    assert bits[2] == bits[5] and p[2] != p[5]                          # precondition: one bucket, two values
+    top_p = np.float32(p[[0, 1, 2]].sum() - 1e-4)
+    padded = np.concatenate([pairs, np.full(flat.size - pairs.size, -np.inf, np.float32)])
+    logits = np.stack([flat, flat, padded])
+    top_k, top_p = np.array([flat.size // 3, 0, 0]), np.array([1.0, 0.4, top_p])
+    for u in (0.0, 0.5, BELOW_ONE):
+        args = (logits, np.ones(3), top_k, top_p, np.zeros(3), np.full(3, u))
+        assert_tokens_match(launch_sample(*args, pick(32, 256)), *args)
+
+
+@pytest.mark.skipif(not SIM, reason="needs exp(-ln 2) == 1/2 exactly: true of the simulator's correctly "
+                                    "rounded exp, not promised by libdevice's expf")
+def test_top_p_reached_exactly_keeps_no_more():
+    ln2 = np.float32(np.log(2))
+    assert np.exp(-ln2) == np.float32(0.5)
+    logits = np.tile(np.array([ln2, 0, 0], np.float32), (4, 1))   # p = 1/2, 1/4, 1/4 exactly
+    top_p = np.array([0.5, 0.5, 0.75, np.nextafter(np.float32(0.5), np.float32(1))])
+    uniform = np.array([0.9, 0.4, 0.9, 0.9])
+    ones, zeros = np.ones(4), np.zeros(4)
+    want = ref.sample(logits, ones, zeros, top_p, zeros, uniform)
+    # top_p 0.5 is reached by the first token alone; 0.75 by the first two (ties keep the third); just above
+    # 0.5 needs the 1/4s too
+    assert want.tolist() == [0, 0, 2, 2]
+    assert launch_sample(logits, ones, zeros, top_p, zeros, uniform, 32).tolist() == want.tolist()
+
+
+def test_a_large_vocabulary_walks_sub_chunks():
+    """V > threads^2: the draw's second level gives each thread more than one element (sub > 1)."""
+    rng = np.random.default_rng(9)
+    threads = pick(32, 256)
+    v = pick(threads * threads + 100, 128256)
+    chunk = -(-v // threads)
+    logits = np.stack([make_row(rng, k, v) for k in ("flat", "peaked", "normal")])
+    temperature, min_p = np.array([1.0, 0.7, 1.3]), np.array([0.0, 0.0, 0.02])
+    # the simulator's shared-memory atomics are slow, so there the radix passes stay off (min_p needs none);
+    # other tests cover them at smaller V
+    top_k, top_p = pick(np.zeros(3), np.array([0, 40, 0])), pick(np.ones(3), np.array([1.0, 0.9, 0.6]))
+    # u in the middle of the likeliest token that sits past the first `threads` places of its chunk: a walk
+    # that gave each thread one element of the chunk would miss it
+    tail = np.flatnonzero(np.arange(v) % chunk >= threads)
+    middle = []
+    for s in range(3):
+        kept = ref.sampling_probs(logits[s], temperature[s], int(top_k[s]), top_p[s], min_p[s]).astype(np.float64)
+        c = np.cumsum(kept)
+        j = tail[np.argmax(kept[tail])]
+        middle.append((c[j] - kept[j] / 2) / c[-1])
+    for u in (np.zeros(3), np.array(middle), np.full(3, BELOW_ONE)):
+        args = (logits, temperature, top_k, top_p, min_p, u)
+        assert_tokens_match(launch_sample(*args, threads), *args)
+
+
+def test_draws_follow_the_softmax():
+    """An even grid of uniforms over one 4-token row: the counts are exactly the probabilities."""
+    n = 20
+    logits = np.tile(np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float32)), (n, 1))
+    uniform = (np.arange(n) + 0.5) / n
+    got = launch_sample(logits, np.ones(n), np.zeros(n), np.ones(n), np.zeros(n), uniform, 32)
+    assert np.bincount(got, minlength=4).tolist() == [2, 4, 6, 8]
+    assert (np.diff(got) >= 0).all()  # the inverse CDF is monotone in u
+
+
+def test_the_oracle_is_narrow():
+    """The rounding windows `acceptable_tokens` allows are rare: otherwise the comparison would prove little."""
+    rng = np.random.default_rng(11)
+    unique = 0
+    for i in range(200):
+        row = make_row(rng, KINDS[i % len(KINDS)], int(rng.integers(2, 300)))
+        params = (float(rng.choice([0.5, 1.0, 2.0])), int(rng.choice([0, 1, 10, 50])),
+                  float(rng.choice([1.0, 0.9, 0.5])), float(rng.choice([0.0, 0.05])), float(rng.random()))
+        ok = acceptable_tokens(row, *params)
+        want = int(ref.sample(row[None], *[np.array([x]) for x in params])[0])
+        assert want in ok
+        unique += len(ok) == 1
+    assert unique >= 196
+
+
+def model_kernel(row, temperature, top_k, top_p, min_p, u, rng):
+    """The kernel's algorithm in NumPy, with its p a few ulps off the reference's (a different exp and
+    denominator, kept monotone in z) and exact masses: a stand-in for the GPU, to test the oracle."""
+    z = np.asarray(row, np.float32) / np.float32(temperature)
+    levels, group = np.unique(-z, return_inverse=True)            # per distinct z, so ties stay ties
+    e = np.exp(-levels - z.max()).astype(np.float64) * (1 + rng.integers(-3, 4, levels.size) * F32_EPS)
+    e = np.minimum.accumulate(e).astype(np.float32)[group.reshape(-1)]
+    p = (e / np.float32(e.astype(np.float64).sum())).astype(np.float32)
+    threshold = np.float32(0)
+    if 0 < top_k < p.size:
+        threshold = max(threshold, np.sort(p)[::-1][top_k - 1])
+    if top_p < 1:
+        values = np.unique(p)[::-1]
+        mass = np.array([p[p >= v].astype(np.float64).sum() for v in values])
+        reached = np.flatnonzero(mass >= np.float32(top_p))
+        threshold = max(threshold, values[reached[0]] if reached.size else np.float32(0))
+    if min_p > 0:
+        threshold = max(threshold, np.float32(min_p) * p.max())
+    kept = np.where(p >= threshold, p, 0).astype(np.float64)
+    c = np.cumsum(kept)
+    above = np.flatnonzero(c > float(np.float32(u)) * c[-1])
+    return int(above[0]) if above.size else int(np.flatnonzero(kept)[-1])
+
+
+def test_the_oracle_accepts_legitimate_rounding_differences():
+    """Rows put exactly on top-p and u boundaries, drawn by the model kernel: the oracle must accept its
+    token whenever it differs from the reference's, and such differences must actually occur here."""
+    rng = np.random.default_rng(12)
+    differ = 0
+    for i in range(300):
+        vocab = int(rng.integers(2, 300))
+        row = make_row(rng, KINDS[i % len(KINDS)], vocab)
+        temperature, top_k, min_p = float(rng.choice([0.5, 1.0])), int(rng.choice([0, 0, 5])), 0.0
+        z = row / np.float32(temperature)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        ordered = np.sort(p)[::-1].astype(np.float64)
+        top_p = float(np.float32(np.cumsum(ordered)[rng.integers(vocab)]))  # a cumulative mass exactly
+        kept = ref.sampling_probs(row, temperature, top_k, top_p, min_p).astype(np.float64)
+        c = np.cumsum(kept)
+        u = float(np.float32(c[rng.integers(vocab)] / c[-1]))                # a draw boundary exactly
+        u = min(u, BELOW_ONE)
+        got = model_kernel(row, temperature, top_k, top_p, min_p, u, rng)
+        want = int(ref.sample(row[None], *[np.array([x]) for x in (temperature, top_k, top_p, min_p, u)])[0])
+        if got != want:
+            differ += 1
+            assert got in acceptable_tokens(row, temperature, top_k, top_p, min_p, u), (i, got, want)
+    assert differ >= 5
+
+
+# --- launchers ----------------------------------------------------------------------------------------------
+
+def test_launchers_reject_bad_arguments():
+    logits = to_device(np.zeros((2, 10), np.float32))
+    out = device_empty(2, np.int32)
+    f32, i32 = to_device(np.ones(2, np.float32)), to_device(np.zeros(2, np.int32))
+    with pytest.raises(TypeError, match="logits must be a device array"):
+        kernels.argmax(np.zeros((2, 10), np.float32), out)
+    with pytest.raises(TypeError, match="logits must be float32"):
+        kernels.argmax(to_device(np.zeros((2, 10), np.float64)), out)
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        kernels.argmax(to_device(np.zeros(10, np.float32)), out)
+    with pytest.raises(ValueError, match=r"out must have shape \(2,\)"):
+        kernels.argmax(logits, device_empty(3, np.int32))
+    with pytest.raises(TypeError, match="out must be int32"):
+        kernels.argmax_naive(logits, device_empty(2, np.int64))
+    with pytest.raises(ValueError, match="vocab size"):
+        kernels.argmax(to_device(np.zeros((2, 0), np.float32)), out)
+    with pytest.raises(ValueError, match="threads must be one of"):
+        kernels.argmax(logits, out, threads=48)
+    with pytest.raises(TypeError, match="top_k must be int32"):
+        kernels.sample(logits, f32, f32, f32, f32, f32, out)
+    with pytest.raises(ValueError, match=r"uniform must have shape \(2,\)"):
+        kernels.sample(logits, f32, i32, f32, f32, to_device(np.ones(3, np.float32)), out)
+    with pytest.raises(TypeError, match="temperature must be a device array"):
+        kernels.sample(logits, np.ones(2, np.float32), i32, f32, f32, f32, out)
+    with pytest.raises(ValueError, match="threads must be one of"):
+        kernels.sample(logits, f32, i32, f32, f32, f32, out, threads=2048)
+    # zero rows: nothing to do, no launch
+    kernels.sample(to_device(np.zeros((0, 10), np.float32)), *[device_empty(0, d) for d in
+                   (np.float32, np.int32, np.float32, np.float32, np.float32)], device_empty(0, np.int32))
+
+
+@pytest.mark.skipif(SIM, reason="GPU only: real shapes")
+def test_sample_on_a_llama_sized_batch():
+    rng = np.random.default_rng(5)
+    s, v = 256, 128256
+    logits = np.stack([make_row(rng, "peaked" if i % 2 else "normal", v) for i in range(s)])
+    args = (logits, np.full(s, 0.8), np.full(s, 50), np.full(s, 0.9), np.zeros(s), rng.random(s))
+    assert_tokens_match(launch_sample(*args, 512), *args)

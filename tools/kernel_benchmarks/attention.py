@@ -1,0 +1,113 @@
+"""Benchmark cases for the attention kernels at Llama-3.2-1B shapes (32 query heads, 8 KV heads, head_dim 64).
+
+Decode is bandwidth-bound: bytes_moved is the K and V the kernel must read (2 x sum of contexts x Hkv x d x
+2 bytes). Prefill is compute-bound: flops = 4 * Hq * d * (causal query-key pairs), the two matrix products.
+"""
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels import attention, paged_attention
+from reference import paged_attention as ref
+from tools.kernel_benchmarks.common import Case
+
+HQ, HKV, D, BLOCK = 32, 8, 64, 16
+SCALE = 1 / np.sqrt(D)
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _random_bf16(rng, shape):
+    """Random normal values as bf16 bit patterns (truncated: benchmark data, not a rounding test)."""
+    return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def _paged_cache(rng, contexts):
+    """K and V pools holding every context, through a random permutation of the blocks; block tables."""
+    blocks = [-(-c // BLOCK) for c in contexts]
+    perm = rng.permutation(sum(blocks)).astype(np.int32)
+    tables = np.full((len(contexts), max(blocks)), -1, np.int32)
+    start = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = perm[start:start + n]
+        start += n
+    shape = (sum(blocks), BLOCK, HKV, D)
+    return _random_bf16(rng, shape), _random_bf16(rng, shape), tables
+
+
+def _atol(q_per_seq, k_cache, v_cache, tables, contexts):
+    """The test suite's tolerance (tests/kernels/test_attention_kernels.py: attention_atol), on this data."""
+    smag, vmax = 0.0, 0.0
+    for q, table, ctx in zip(q_per_seq, tables, contexts):
+        k, v = ref.gather_kv(k_cache, v_cache, table, ctx)
+        ka = np.repeat(np.abs(k), HQ // HKV, axis=1).transpose(1, 2, 0)
+        smag = max(smag, SCALE * float((np.abs(q).transpose(1, 0, 2) @ ka).max()))
+        vmax = max(vmax, float(np.abs(v).max()))
+    return vmax * F32_EPS * (16 * (1 + smag) + 4 * np.sqrt(D) * smag + 8 * np.sqrt(max(contexts)))
+
+
+def _decode_cases(rng, batch, context, partition_size):
+    contexts = [context] * batch
+    k_cache, v_cache, tables = _paged_cache(rng, contexts)
+    q = rng.standard_normal((batch, HQ, D), dtype=np.float32)
+    lens = np.array(contexts, np.int32)
+    dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
+    out = cuda.device_array((batch, HQ, D), np.float32)
+    work = [cuda.device_array(shape, np.float32)
+            for shape in paged_attention.split_workspace_shapes(batch, HQ, D, context, partition_size)]
+    kv_bytes = 2 * batch * context * HKV * D * 2
+
+    def run_v1(stream):
+        paged_attention.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream)
+
+    def run_split(stream):
+        paged_attention.paged_attention_split(dq, dk, dv, dt, dl, SCALE, out, *work, partition_size, stream)
+
+    def check(run):
+        def check_one():
+            out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+            run(0)
+            want = ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE)
+            atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts)
+            np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+        return check_one
+
+    shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {BLOCK}"
+    return [Case("attention", f"paged_attention v1 {shape}", run_v1, check(run_v1), bytes_moved=kv_bytes),
+            Case("attention", f"paged_attention_split (partition {partition_size}) + reduce {shape}", run_split,
+                 check(run_split), bytes_moved=kv_bytes)]
+
+
+def _prefill_cases(rng, tokens):
+    k_cache, v_cache, tables = _paged_cache(rng, [tokens])
+    q = rng.standard_normal((tokens, HQ, D), dtype=np.float32)
+    cu = np.array([0, tokens], np.int32)
+    lens = np.array([tokens], np.int32)
+    dq, dk, dv, dt, dcu, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, cu, lens))
+    out = cuda.device_array((tokens, HQ, D), np.float32)
+    flops = 4 * HQ * D * tokens * (tokens + 1) // 2
+
+    def runner(launcher):
+        def run(stream):
+            launcher(dq, dk, dv, dt, dcu, dl, SCALE, out, tokens, stream)
+        return run
+
+    def check(launcher):
+        def check_one():
+            out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+            runner(launcher)(0)
+            want = ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, SCALE)
+            atol = _atol([q], k_cache, v_cache, tables, [tokens])
+            np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+        return check_one
+
+    shape = f"{tokens} tokens, 1 sequence, {HQ}/{HKV} heads, d {D}"
+    return [Case("attention", f"prefill_attention (flash, fp32 SIMT) {shape}",
+                 runner(attention.prefill_attention), check(attention.prefill_attention), flops=flops),
+            Case("attention", f"prefill_attention_naive {shape}", runner(attention.prefill_attention_naive),
+                 check(attention.prefill_attention_naive), flops=flops)]
+
+
+def cases() -> list[Case]:
+    rng = np.random.default_rng(0)
+    return (_decode_cases(rng, 64, 4096, 512) + _decode_cases(rng, 1, 8192, 512)
+            + _prefill_cases(rng, 1024))

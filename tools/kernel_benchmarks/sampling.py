@@ -1,0 +1,116 @@
+"""Benchmark cases for the sampling kernels (greedy argmax, top-k/top-p sampling) at the Llama-3.2 vocabulary.
+
+bytes_moved counts the logits once per pass the kernel makes over them: argmax makes one; sample makes max,
+sum and draw passes, one radix-select pass per digit its searches needed (1-3, counted here per row by
+replaying the kernel's search on the reference's p), and re-reads one chunk of each row for the draw. Rows
+stay partly in L2 between passes, so this is the traffic the kernel asks for, not what reaches DRAM.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels import sampling
+from reference import sampling as ref
+from tools.kernel_benchmarks.common import Case
+
+VOCAB = 128256
+TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
+
+
+def radix_passes(p: np.ndarray, top_k: int, top_p: float) -> int:
+    """How many radix-select passes cuda_kernels/sampling.sample makes on this row (its early stops included)."""
+    bits = p.view(np.uint32)
+    mass = (p.astype(np.float64) * sampling.FIXED_SCALE).astype(np.uint64)
+    k_done, p_done = not 0 < top_k < p.size, not top_p < 1
+    k_prefix = p_prefix = 0
+    k_left = top_k
+    p_left = max(1, math.ceil(float(np.float32(top_p)) * sampling.FIXED_SCALE))
+    passes = 0
+    for digit in range(sampling.RADIX_PASSES):
+        if k_done and p_done:
+            break
+        passes += 1
+        shift = sampling.RADIX_BITS * (sampling.RADIX_PASSES - 1 - digit)
+        above = shift + sampling.RADIX_BITS
+        buckets = (bits >> shift) & sampling.RADIX_MASK
+        last = digit == sampling.RADIX_PASSES - 1
+        if not k_done:
+            cand = (bits >> above) == (k_prefix >> above)
+            counts = np.bincount(buckets[cand], minlength=sampling.RADIX_BINS)
+            at_least = np.cumsum(counts[::-1])[::-1]            # candidates in this bucket or above
+            b = int(np.flatnonzero(at_least >= k_left)[-1])
+            k_left -= int(at_least[b] - counts[b])
+            k_prefix |= b << shift
+            k_done = counts[b] == k_left or last
+        if not p_done:
+            cand = (bits >> above) == (p_prefix >> above)
+            sums = np.zeros(sampling.RADIX_BINS, np.uint64)
+            np.add.at(sums, buckets[cand], mass[cand])  # exact integer sums, as the kernel's
+            counts = np.bincount(buckets[cand], minlength=sampling.RADIX_BINS)
+            at_least = np.cumsum(sums[::-1])[::-1]
+            hits = np.flatnonzero(at_least >= p_left)
+            if hits.size == 0:
+                p_done = True
+            else:
+                b = int(hits[-1])
+                p_left -= int(at_least[b] - sums[b])
+                p_prefix |= b << shift
+                p_done = counts[b] == 1 or last
+    return passes
+
+
+def _device(a, dtype):
+    return cuda.to_device(np.ascontiguousarray(a, dtype))
+
+
+def cases() -> list[Case]:
+    rng = np.random.default_rng(0)
+    out = []
+    for s in (1, 64, 256):
+        # LM-like logits: a broad body (std 3) over the whole vocabulary
+        logits = (rng.standard_normal((s, VOCAB)) * 3).astype(np.float32)
+        d_logits, d_out = cuda.to_device(logits), cuda.device_array(s, np.int32)
+        greedy = ref.argmax(logits)
+        params = (np.full(s, TEMPERATURE, np.float32), np.full(s, TOP_K, np.int32), np.full(s, TOP_P, np.float32),
+                  np.zeros(s, np.float32), rng.random(s).astype(np.float32))
+        d_params = [_device(a, a.dtype) for a in params]
+        sampled = ref.sample(logits, *params)
+        passes = 0
+        for row in logits:
+            z = row / np.float32(TEMPERATURE)
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            passes += 3 + radix_passes(p, TOP_K, TOP_P)
+        for threads in (256, sampling.DEFAULT_THREADS, 1024):
+            def run_argmax(stream, d_logits=d_logits, d_out=d_out, threads=threads):
+                sampling.argmax(d_logits, d_out, stream, threads=threads)
+
+            def check_argmax(d_logits=d_logits, d_out=d_out, greedy=greedy, threads=threads):
+                d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
+                sampling.argmax(d_logits, d_out, threads=threads)
+                np.testing.assert_array_equal(d_out.copy_to_host(), greedy)
+
+            out.append(Case("sampling", f"argmax {s}x{VOCAB} threads={threads}", run_argmax, check_argmax,
+                            bytes_moved=logits.nbytes))
+
+            def run_sample(stream, d_logits=d_logits, d_params=d_params, d_out=d_out, threads=threads):
+                sampling.sample(d_logits, *d_params, d_out, stream, threads=threads)
+
+            def check_sample(d_logits=d_logits, d_params=d_params, d_out=d_out, sampled=sampled, threads=threads):
+                d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
+                sampling.sample(d_logits, *d_params, d_out, threads=threads)
+                got = d_out.copy_to_host()
+                # Float32 summation order in the reference can flip a token at a top-p or u boundary (see
+                # tests/kernels/test_sampling_kernels.py, which checks each case exactly); a wrong kernel
+                # differs on most rows, so allow a rare few here.
+                differ = int(np.count_nonzero(got != sampled))
+                assert differ <= max(1, s // 100), f"{differ} of {s} sampled tokens differ from the reference"
+                assert ((got >= 0) & (got < VOCAB)).all()
+
+            chunk_bytes = s * 4 * -(-VOCAB // threads)  # the draw's re-read of one chunk per row
+            out.append(Case("sampling", f"sample {s}x{VOCAB} T={TEMPERATURE} top_k={TOP_K} top_p={TOP_P} "
+                            f"threads={threads} ({passes / s:.1f} passes)", run_sample, check_sample,
+                            bytes_moved=passes * VOCAB * 4 + chunk_bytes))
+    return out
