@@ -29,7 +29,8 @@ PROMPT = [{"role": "user", "content": "Write a short story about a robot who lea
 
 
 def bench_tinyvllm(model_dir: Path, new_tokens: int) -> dict:
-    llm = LLM(model_dir, backend="cpu")
+    # no prefix caching: the warm-up request must not hand the measured one a cached prompt
+    llm = LLM(model_dir, backend="cpu", enable_prefix_caching=False)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                        use_tqdm=False)[0]
