@@ -70,7 +70,6 @@ class EngineOptions:
     num_kv_blocks: int | None = None          # overrides the size computed from memory
     enable_prefix_caching: bool = True
     scheduler: str = "continuous"             # continuous | static
-    enforce_eager: bool = False               # CUDA: launch kernels one by one instead of replaying graphs
     seed: int = 0                             # draws the seeds of requests that do not set one
 
     def __post_init__(self):

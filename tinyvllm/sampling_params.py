@@ -66,7 +66,3 @@ class SamplingParams:
             fail("stop", "must be a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of non-negative token ids")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
