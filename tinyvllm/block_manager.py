@@ -47,7 +47,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}      # hash -> block id
-        self.prefix_hits = 0                   # blocks served from the prefix cache, for stats and tests
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,7 +77,7 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
             parent = key
-        self.prefix_hits += len(seq.block_table)
+        seq.num_hashed_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -103,24 +102,24 @@ class BlockManager:
     # -- after a step -----------------------------------------------------------------------------------
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that are now full of computed tokens, for later prefix hits."""
+        """Register the blocks of `seq` that became full of computed tokens since the last call.
+
+        Only the new ones are hashed (seq.num_hashed_blocks counts the others), so a step costs O(new blocks)
+        per sequence, not O(length).
+        """
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        parent = None
-        tokens = None
-        for b in range(full):
+        start = seq.num_hashed_blocks
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for b in range(start, full):
             block = self.blocks[seq.block_table[b]]
-            if block.hash is not None:
-                parent = block.hash
-                continue
-            if tokens is None:
-                tokens = seq.all_token_ids
-            chunk = tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
+            chunk = tuple(seq.token_ids_slice(b * self.block_size, (b + 1) * self.block_size))
             block.hash, block.token_ids = chain_hash(parent, chunk), chunk
             # an equal block registered earlier keeps its entry; this one stays private to seq
             self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
+        seq.num_hashed_blocks = max(start, full)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Return the blocks of a finished or preempted sequence (most recently used go to the back)."""
@@ -131,6 +130,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
+        seq.num_hashed_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

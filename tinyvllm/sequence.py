@@ -37,6 +37,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None            # "stop", "length" or "abort"
     num_cached_prompt_tokens: int = 0           # prompt tokens served by the prefix cache at admission
+    num_hashed_blocks: int = 0                  # leading blocks of block_table registered in the prefix cache
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
