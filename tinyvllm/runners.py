@@ -13,7 +13,7 @@ def choose_backend(requested: str) -> str:
     """'cpu' or 'cuda' for a requested 'auto' | 'cpu' | 'cuda', saying on stderr what auto picked and why.
 
     In Numba's CUDA simulator, 'cuda' runs the CUDA runner on simulated threads (tests do this with tiny
-    models); 'auto' never picks the simulator, and for now not a real GPU either (see the note below).
+    models); 'auto' never picks the simulator.
     """
     from tinyvllm.device import gpu_status
 
@@ -27,11 +27,8 @@ def choose_backend(requested: str) -> str:
             raise BackendError(f"backend 'cuda': no usable GPU: {detail}")
         return "cuda"
     if usable:
-        # NOTE: the CUDA runner passes its tests in the simulator but has not yet been run on a real GPU;
-        # until it has, auto stays on the reference backend and says how to opt in.
-        print(f"tinyvllm: GPU found ({detail}); the CUDA engine is not yet verified on real GPUs, so auto uses "
-              "the CPU reference backend (pass --backend cuda to try the CUDA engine)", file=sys.stderr)
-        return "cpu"
+        print(f"tinyvllm: using the CUDA engine on {detail}", file=sys.stderr)
+        return "cuda"
     print(f"tinyvllm: no usable GPU ({detail}); using the CPU reference backend", file=sys.stderr)
     return "cpu"
 
