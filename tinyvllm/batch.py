@@ -44,27 +44,33 @@ class SamplingBatch:
 
 
 def pack(scheduled: list[ScheduledSequence], block_size: int) -> tuple[ForwardBatch, SamplingBatch]:
-    token_ids, positions, cu, context_lens, logits_indices, samplers = [], [], [0], [], [], []
-    max_blocks = max(len(s.seq.block_table) for s in scheduled)
-    block_tables = np.full((len(scheduled), max_blocks), -1, np.int32)
-    for row, item in enumerate(scheduled):
+    # NOTE: one pass of plain Python over the sequences and a few whole-array NumPy operations: this runs on
+    # the host every step, for up to hundreds of sequences, while the GPU waits.
+    token_ids, starts, lengths, sampled, samplers, tables = [], [], [], [], [], []
+    for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
-        stop = start + item.num_new_tokens
-        token_ids.extend(seq.token_ids_slice(start, stop))
-        positions.append(np.arange(start, stop, dtype=np.int32))
-        cu.append(cu[-1] + item.num_new_tokens)
-        context_lens.append(stop)
-        block_tables[row, : len(seq.block_table)] = seq.block_table
-        if item.samples:
-            logits_indices.append(cu[-1] - 1)
+        token_ids.extend(seq.token_ids_slice(start, start + item.num_new_tokens))
+        starts.append(start)
+        lengths.append(item.num_new_tokens)
+        tables.append(seq.block_table)
+        sampled.append(item.samples)
+        if sampled[-1]:
             samplers.append(seq)
-    positions = np.concatenate(positions)
-    seq_of_token = np.repeat(np.arange(len(scheduled)), np.diff(cu))
-    slots = block_tables[seq_of_token, positions // block_size].astype(np.int32) * block_size + positions % block_size
+    lengths = np.asarray(lengths, np.int32)
+    cu = np.zeros(len(scheduled) + 1, np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    starts = np.asarray(starts, np.int32)
+    context_lens = starts + lengths
+    seq_of_token = np.repeat(np.arange(len(scheduled)), lengths)
+    positions = np.arange(cu[-1], dtype=np.int32) - cu[seq_of_token] + starts[seq_of_token]
+    logits_indices = cu[1:][np.asarray(sampled, bool)] - 1
+    max_blocks = max(len(t) for t in tables)
+    block_tables = np.array([t + [-1] * (max_blocks - len(t)) for t in tables], np.int32)
+    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     batch = ForwardBatch(
         token_ids=np.asarray(token_ids, np.int32), positions=positions, slot_mapping=slots.astype(np.int32),
-        cu_seqlens_q=np.asarray(cu, np.int32), context_lens=np.asarray(context_lens, np.int32),
-        block_tables=block_tables, logits_indices=np.asarray(logits_indices, np.int32))
+        cu_seqlens_q=cu, context_lens=context_lens, block_tables=block_tables,
+        logits_indices=logits_indices.astype(np.int32))
     sampling = SamplingBatch(
         temperature=np.array([s.params.temperature for s in samplers], np.float32),
         top_k=np.array([s.params.top_k for s in samplers], np.int32),

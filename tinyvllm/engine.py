@@ -71,6 +71,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     scheduler: str = "continuous"             # continuous | static
     seed: int = 0                             # draws the seeds of requests that do not set one
+    enforce_eager: bool = False               # CUDA backend: no CUDA graphs, every kernel launched from Python
 
     def __post_init__(self):
         if self.backend not in ("auto", "cpu", "cuda"):
@@ -96,6 +97,8 @@ class LLMEngine:
         self._streams: dict[int, TextStream] = {}
         self._prompts: dict[int, str | None] = {}
         self._by_request: dict[str, Sequence] = {}
+        self._final_only: set[int] = set()
+        self.num_generated_tokens = 0           # over the engine's life: progress bars read it
         self._ids = itertools.count()
         self._seeds = random.Random(options.seed)
         self._eos = set(config.eos_token_ids)
@@ -131,7 +134,10 @@ class LLMEngine:
         raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages "
                            f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    final_only: bool = False) -> str:
+        """Queue a request; its outputs come from step(). `final_only` (vLLM's FINAL_ONLY output kind): step()
+        reports the request only when it finishes, and its text is decoded once, at the end."""
         params = params or SamplingParams()
         text, ids = self.encode_prompt(prompt)
         if not ids:
@@ -146,7 +152,9 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, seed)
         self._by_request[request_id] = seq
         self._prompts[seq.seq_id] = text
-        self._streams[seq.seq_id] = TextStream(self.tokenizer, ids, params.stop)
+        self._streams[seq.seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
+        if final_only:
+            self._final_only.add(seq.seq_id)
         self.scheduler.add(seq)
         return request_id
 
@@ -175,6 +183,7 @@ class LLMEngine:
                 self.block_manager.register_full_blocks(seq)
                 continue
             token = next(tokens)
+            self.num_generated_tokens += 1
             seq.output_token_ids.append(token)
             seq.last_token_time = time.perf_counter()
             if seq.first_token_time is None:
@@ -188,6 +197,8 @@ class LLMEngine:
             if reason is not None:
                 new_text += stream.finish()
                 self.scheduler.finish(seq, reason)
+            elif seq.seq_id in self._final_only:
+                continue
             outputs.append(self._output(seq, new_text))
             if reason is not None:
                 self._forget(seq)
@@ -216,6 +227,7 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self._streams.pop(seq.seq_id, None)
+        self._final_only.discard(seq.seq_id)
         self._prompts.pop(seq.seq_id, None)
         self._by_request.pop(seq.request_id, None)
 

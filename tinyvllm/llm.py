@@ -47,23 +47,23 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp, final_only=True) for p, sp in zip(prompts, params)]
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(prompts) > 1:
             from tqdm import tqdm
 
             bar = tqdm(total=len(prompts), desc="generating", unit="req", dynamic_ncols=True)
-        start, new_tokens = time.perf_counter(), 0
+        start, tokens_before = time.perf_counter(), self.engine.num_generated_tokens
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    new_tokens += 1
                     if out.finished:
                         finished[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
                 if bar is not None:
+                    new_tokens = self.engine.num_generated_tokens - tokens_before
                     bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s")
         finally:
             if bar is not None:

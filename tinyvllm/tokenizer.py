@@ -348,9 +348,13 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text that became printable ("" while a character is incomplete)."""
+        self.append(token_id)
+        return self._advance(final=False)
+
+    def append(self, token_id: int) -> None:
+        """Add one generated id without decoding: its text comes with the next push or flush (one decode)."""
         self._ids.append(int(token_id))
         self._num_generated += 1
-        return self._advance(final=False)
 
     def flush(self) -> str:
         """Return whatever is still held back (an incomplete character shows as U+FFFD, as decode shows it)."""
