@@ -81,6 +81,20 @@ def test_streaming_yields_the_text(tiny_model_dir):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_final_only_requests_are_reported_once_with_the_same_text(tiny_model_dir):
+    engine = LLM(tiny_model_dir, backend="cpu").engine
+    final = engine.add_request("Hello", GREEDY, final_only=True)
+    every = engine.add_request("Hello", GREEDY)
+    seen = {final: [], every: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[final]) == 1 and seen[final][0].finished and len(seen[every]) == GREEDY.max_tokens
+    assert seen[final][0].text == seen[every][-1].text == "".join(o.new_text for o in seen[every])
+    assert seen[final][0].outputs[0].token_ids == seen[every][-1].outputs[0].token_ids
+    assert engine.num_generated_tokens == 2 * GREEDY.max_tokens
+
+
 def test_stop_strings_and_stop_tokens(tiny_model_dir):
     llm = LLM(tiny_model_dir, backend="cpu")
     full = llm.generate(["Hi"], GREEDY, use_tqdm=False)[0]
