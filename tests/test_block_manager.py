@@ -132,3 +132,25 @@ def test_prefix_hits_share_blocks_and_leave_one_token_to_compute():
     hog = Sequence("hog", [9] * 40, SamplingParams(), 0)
     bm.allocate(hog, 40)                            # takes every block: the cache entries are evicted
     assert not bm.cached
+
+
+def test_a_static_batch_fills_over_several_steps_then_closes():
+    # prompts of 8 tokens under a 10-token budget: admitting them takes several steps
+    scheduler = Scheduler(BlockManager(64, 4, False), 8, 10, "static")
+    seqs = [Sequence(str(i), [i] * 8, SamplingParams(max_tokens=30), 0) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    late, later = (Sequence(name, [9] * 8, SamplingParams(max_tokens=30), 0) for name in ("late", "later"))
+    for step in range(8):
+        scheduled = scheduler.schedule()
+        for item in scheduled:
+            samples = item.samples  # before the update below, as the engine reads it
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if samples:
+                item.seq.output_token_ids.append(1)
+        if step == 0:
+            scheduler.add(late)   # arrives while the batch still forms: it joins
+        if step == 5:
+            assert len(scheduled) == 5 and all(item.num_new_tokens == 1 for item in scheduled)
+            scheduler.add(later)  # the batch is complete and decoding: it waits for the batch to drain
+    assert scheduler.running == seqs + [late] and list(scheduler.waiting) == [later]

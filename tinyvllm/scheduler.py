@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._forming = True   # static policy: the current batch still admits sequences
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,9 +74,12 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
             i += 1
-        # 2. waiting sequences (a static batch is admitted only when the previous one has drained)
-        if self.policy == "static" and self.running:
-            return scheduled
+        # 2. waiting sequences. A static batch forms once the previous one has drained; it keeps admitting over
+        # as many steps as the token budget needs, until it is full (max_num_seqs or the cache) or nothing waits.
+        if self.policy == "static":
+            self._forming = self._forming or not self.running
+            if not self._forming:
+                return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -94,6 +98,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+        if self.policy == "static" and budget > 0:  # admission stopped, and not for the budget: batch complete
+            self._forming = False
         return scheduled
 
     def finish(self, seq: Sequence, reason: str) -> None:
