@@ -37,6 +37,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV-cache block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
                    help="most sequences in one batch (default 256)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA backend: launch every kernel from Python instead of replaying CUDA graphs (debugging)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy, the default, so answers are reproducible")
@@ -114,7 +116,7 @@ def _load(args):
         raise UserFacingError(f"--model {args.model}: not a directory")
     try:
         return LLM(args.model, backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
-                   max_num_seqs=args.max_num_seqs)
+                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
     except ValueError as exc:  # engine options, config, weights and tokenizer errors all name the problem
         raise UserFacingError(str(exc)) from None
 

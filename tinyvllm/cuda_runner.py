@@ -4,29 +4,39 @@ At start: the bf16 weights are uploaded once (Q/K/V and gate/up fused into one m
 activation buffers are allocated for `max_num_batched_tokens` tokens and `max_num_seqs` sequences, and the
 KV cache takes what is left of `gpu_memory_utilization` of the card (reported on stderr). A step then:
 
-1. packs the scheduled batch on the host (tinyvllm/batch.py) and copies it into the fixed device buffers;
+1. packs the scheduled batch on the host (tinyvllm/batch.py) into one pinned buffer and copies it to the
+   device in one transfer (tinyvllm/step_inputs.py);
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
    flash-style prefill otherwise) -> O matmul -> residual + RMSNorm -> gate/up matmul -> SiLU*mul -> down
    matmul] -> final residual + RMSNorm -> gather of the sampled rows -> LM head on those rows only;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
-No step allocates device memory: every kernel writes into a prefix of a preallocated buffer.
+No step allocates device memory: every kernel writes into a prefix of a preallocated buffer, and every
+launch goes to the runner's stream. That makes a step capturable: a pure decode step (one new token per
+sequence) is padded to a batch-size bucket (1, 2, 4, 8, 16, 32, 48, ...) and a block-table width bucket
+(16, 32, 64, ... blocks), captured as a CUDA graph the first time that bucket occurs, and replayed after
+that (tinyvllm/cuda_graph.py): about 150 kernels for one driver call instead of 150 Python launches.
+Prefill steps launch eagerly; `enforce_eager` turns graphs off (and the simulator cannot capture).
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
 from cuda_kernels import activation, attention, embedding, matmul, paged_attention, rmsnorm, rope, sampling
+from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
 from reference.rope import rope_tables
 from tinyvllm.batch import pack
+from tinyvllm.cuda_graph import CUDAGraph
 from tinyvllm.scheduler import ScheduledSequence
+from tinyvllm.step_inputs import StepInputs, StepShape
 
 # Without a real device to measure (the simulator), a small cache.
 SIMULATOR_KV_BLOCKS = 256
@@ -36,7 +46,8 @@ class CUDARunner:
     name = "cuda"
 
     def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None):
+                 max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
+                 enforce_eager: bool = False):
         c = self.config = config
         self.block_size = block_size
         self.max_seqs = max_num_seqs
@@ -74,20 +85,17 @@ class CUDARunner:
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
         self.tokens = empty(s, np.int32)
-        # per-step metadata
-        i32 = np.int32
-        self.d_token_ids, self.d_positions, self.d_slots = empty(t, i32), empty(t, i32), empty(t, i32)
-        self.d_cu = empty(s + 1, i32)
-        self.d_context = empty(s, i32)
-        self.d_logit_rows = empty(s, i32)
-        self.d_temperature, self.d_top_p, self.d_min_p, self.d_uniform = (empty(s, f32) for _ in range(4))
-        self.d_top_k = empty(s, i32)
+        self.tokens_host = cuda.pinned_array(s, np.int32)
 
         per_block = 2 * c.num_layers * block_size * c.kv_size * 2
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
-        max_blocks_per_seq = -(-c.max_position_embeddings // block_size)
-        # flat, so that the (S, width) table of any step is a contiguous prefix
-        self.d_block_tables = empty(s * min(max_blocks_per_seq, self.num_blocks), i32)
+        max_width = min(-(-c.max_position_embeddings // block_size), self.num_blocks)
+        self.inputs = StepInputs(t, s, max_width)
+        self.stream = cuda.stream()
+        # NOTE: the simulator cannot capture graphs; there every step launches eagerly.
+        self.use_graphs = not enforce_eager and not SIMULATOR
+        self.batch_buckets, self.width_buckets = batch_buckets(s), width_buckets(max_width)
+        self.graphs: dict[tuple[int, int, bool], CUDAGraph] = {}
         shape = (self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = [empty(shape, np.uint16) for _ in range(c.num_layers)]
         self.v_cache = [empty(shape, np.uint16) for _ in range(c.num_layers)]
@@ -95,8 +103,6 @@ class CUDARunner:
               f"{self.num_blocks * block_size} tokens ({self.num_blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)
 
     def _blocks_that_fit(self, per_block: int, utilization: float) -> int:
-        from cuda_kernels.compat import SIMULATOR
-
         if SIMULATOR:
             return SIMULATOR_KV_BLOCKS
         free, total = cuda.current_context().get_memory_info()
@@ -108,58 +114,96 @@ class CUDARunner:
         return blocks
 
     def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
-        c = self.config
-        batch, sp = pack(scheduled, self.block_size)
+        batch, sampling = pack(scheduled, self.block_size)
         t, s, n = len(batch.token_ids), len(scheduled), len(batch.logits_indices)
         if t > self.max_tokens or s > self.max_seqs:
             raise RuntimeError(f"batch of {t} tokens / {s} sequences exceeds the runner's buffers "
                                f"({self.max_tokens} / {self.max_seqs})")
-        ids, pos, slots = self.d_token_ids[:t], self.d_positions[:t], self.d_slots[:t]
-        ids.copy_to_device(batch.token_ids)
-        pos.copy_to_device(batch.positions)
-        slots.copy_to_device(batch.slot_mapping)
-        cu, ctx = self.d_cu[: s + 1], self.d_context[:s]
-        cu.copy_to_device(batch.cu_seqlens_q)
-        ctx.copy_to_device(batch.context_lens)
+        greedy = bool(np.all(sampling.temperature == 0))
         width = batch.block_tables.shape[1]
-        tables = self.d_block_tables[: s * width].reshape(s, width)
-        tables.copy_to_device(np.ascontiguousarray(batch.block_tables))
-        q_lens = np.diff(batch.cu_seqlens_q)
-        decode = bool(np.all(q_lens == 1))
+        # A pure decode step (one new token per sequence, each sampled) runs as a CUDA graph, padded to
+        # its bucket; anything else (prefill chunks, eager mode) launches kernel by kernel.
+        key = None
+        if self.use_graphs and t == s == n:
+            b, w = _bucket(s, self.batch_buckets), _bucket(width, self.width_buckets)
+            key, shape = (b, w, greedy), StepShape(b, b, b, w)
+        else:
+            shape = StepShape(t, s, n, width)
+        self.inputs.write(shape, batch, sampling)
+        self.inputs.upload(shape, self.stream)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            max_q_len = int(np.diff(batch.cu_seqlens_q).max())
+            record = partial(self._forward, self.inputs.views(shape), shape, max_q_len, greedy)
+            record(self.stream)  # compiles what the capture below needs, and runs this step
+            if key is not None:
+                self.stream.synchronize()
+                self.graphs[key] = CUDAGraph(record, self.stream)
+        if n == 0:
+            self.stream.synchronize()
+            return []
+        self.tokens[:n].copy_to_host(self.tokens_host[:n], stream=self.stream)
+        self.stream.synchronize()
+        return self.tokens_host[:n].tolist()
 
+    def _forward(self, v: dict, shape: StepShape, max_q_len: int, greedy: bool, stream) -> None:
+        """Launch one step's kernels on `stream`: the model on shape.tokens tokens, then sampling."""
+        c = self.config
+        t, _, n, _ = shape
+        ids, pos, slots, tables, ctx = (v[k] for k in ("token_ids", "positions", "slot_mapping", "block_tables",
+                                                        "context_lens"))
         x, h, sub, qkv, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.qkv, self.q, self.attn))
         gate_up, act = self.gate_up[:t], self.act[:t]
-        embedding.embedding(ids, self.embed, x)
+        decode = max_q_len == 1
+        embedding.embedding(ids, self.embed, x, stream)
         for i, layer in enumerate(self.layers):
             if i == 0:
-                rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h)
+                rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream)
             else:
-                rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h)
-            matmul.matmul(h, layer["qkv"], qkv)
-            rope.rope_kv_write(qkv, pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots, q)
+                rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
+            matmul.matmul(h, layer["qkv"], qkv, stream)
+            rope.rope_kv_write(qkv, pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots, q, stream)
             if decode:
-                paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn)
+                paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
+                                                stream)
             else:
-                attention.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, cu, ctx, self.scale, attn,
-                                            int(q_lens.max()))
-            matmul.matmul(attn.reshape(t, c.q_size), layer["o"], sub)
-            rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h)
-            matmul.matmul(h, layer["gate_up"], gate_up)
-            activation.silu_and_mul(gate_up, act)
-            matmul.matmul(act, layer["down"], sub)
+                attention.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
+                                            self.scale, attn, max_q_len, stream)
+            matmul.matmul(attn.reshape(t, c.q_size), layer["o"], sub, stream)
+            rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
+            matmul.matmul(h, layer["gate_up"], gate_up, stream)
+            activation.silu_and_mul(gate_up, act, stream)
+            matmul.matmul(act, layer["down"], sub, stream)
         if n == 0:
-            return []
-        rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h)
-        rows = self.d_logit_rows[:n]
-        rows.copy_to_device(batch.logits_indices)
+            return
+        rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
         last, logits, tokens = self.last[:n], self.logits[:n], self.tokens[:n]
-        embedding.gather_rows(h, rows, last)
-        matmul.matmul(last, self.lm_head, logits)
-        if np.all(sp.temperature == 0):
-            sampling.argmax(logits, tokens)
+        embedding.gather_rows(h, v["logits_indices"], last, stream)
+        matmul.matmul(last, self.lm_head, logits, stream)
+        if greedy:
+            sampling.argmax(logits, tokens, stream)
         else:
-            params = (self.d_temperature[:n], self.d_top_k[:n], self.d_top_p[:n], self.d_min_p[:n], self.d_uniform[:n])
-            for dev, host in zip(params, (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.uniform)):
-                dev.copy_to_device(host)
-            sampling.sample(logits, *params, tokens)
-        return tokens.copy_to_host().tolist()
+            sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
+                            stream)
+
+
+def _bucket(size: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds `size` (buckets ascending, the last one the capacity)."""
+    return next(b for b in buckets if b >= size)
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """CUDA-graph batch sizes: 1, 2, 4, 8, 16, then steps of 16, up to max_num_seqs (vLLM's scheme)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return tuple(sizes) + (max_num_seqs,)
+
+
+def width_buckets(max_width: int) -> tuple[int, ...]:
+    """Block-table widths graphs are captured for: powers of two from 16 blocks, up to max_width."""
+    sizes, w = [], 16
+    while w < max_width:
+        sizes.append(w)
+        w *= 2
+    return tuple(sizes) + (max_width,)

@@ -38,7 +38,8 @@ def make_runner(options, config, weights):
         from tinyvllm.cuda_runner import CUDARunner
 
         return CUDARunner(config, weights, options.block_size, options.max_num_seqs,
-                          options.max_num_batched_tokens, options.gpu_memory_utilization, options.num_kv_blocks)
+                          options.max_num_batched_tokens, options.gpu_memory_utilization, options.num_kv_blocks,
+                          options.enforce_eager)
     from tinyvllm.cpu_runner import CPURunner
 
     return CPURunner(config, weights, options.block_size, options.num_kv_blocks)

@@ -1,0 +1,65 @@
+"""The one-transfer step inputs: compact layout, padding that changes nothing real, typed device views."""
+
+import numpy as np
+from hypothesis import given, strategies as st
+
+from numba import cuda
+
+from reference.llama import ForwardBatch
+from tinyvllm.batch import SamplingBatch
+from tinyvllm.cuda_runner import batch_buckets, width_buckets
+from tinyvllm.step_inputs import StepInputs, StepShape, layout
+
+
+def decode_step(rng, s, width):
+    """A decode step of s sequences, one token each, every row sampled."""
+    ctx = rng.integers(1, width * 4 + 1, s).astype(np.int32)
+    tables = rng.integers(0, 1000, (s, width)).astype(np.int32)
+    batch = ForwardBatch(token_ids=rng.integers(0, 500, s).astype(np.int32), positions=ctx - 1,
+                         slot_mapping=rng.integers(0, 4000, s).astype(np.int32),
+                         cu_seqlens_q=np.arange(s + 1, dtype=np.int32), context_lens=ctx, block_tables=tables,
+                         logits_indices=np.arange(s, dtype=np.int32))
+    sampling = SamplingBatch(temperature=rng.random(s).astype(np.float32), top_k=rng.integers(0, 50, s).astype(np.int32),
+                             top_p=rng.random(s).astype(np.float32), min_p=rng.random(s).astype(np.float32),
+                             uniform=rng.random(s).astype(np.float32))
+    return batch, sampling
+
+
+def test_layout_is_compact_and_ordered():
+    offsets, words = layout(StepShape(7, 3, 2, 5))
+    assert offsets["token_ids"] == (0, 7) and offsets["slot_mapping"] == (14, 7)
+    assert offsets["cu_seqlens_q"] == (21, 4) and offsets["logits_indices"] == (28, 2)
+    assert offsets["block_tables"] == (words - 15, 15)
+    assert words == 3 * 7 + 4 + 3 + 6 * 2 + 15
+
+
+@given(s=st.integers(1, 6), pad=st.integers(0, 5), width=st.integers(1, 4), wpad=st.integers(0, 3),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_padded_step_round_trips_through_the_device(s, pad, width, wpad, seed):
+    rng = np.random.default_rng(seed)
+    batch, sampling = decode_step(rng, s, width)
+    b, w = s + pad, width + wpad
+    shape = StepShape(b, b, b, w)
+    inputs = StepInputs(16, 16, 8)
+    inputs.write(shape, batch, sampling)
+    inputs.upload(shape, cuda.stream())
+    got = {k: v.copy_to_host() for k, v in inputs.views(shape).items()}
+    assert got["temperature"].dtype == np.float32 and got["block_tables"].shape == (b, w)
+    for name in ("token_ids", "positions", "slot_mapping", "context_lens", "logits_indices"):
+        np.testing.assert_array_equal(got[name][:s], getattr(batch, name))
+    for name in ("temperature", "top_k", "top_p", "min_p", "uniform"):
+        np.testing.assert_array_equal(got[name][:s], getattr(sampling, name))
+    np.testing.assert_array_equal(got["block_tables"][:s, :width], batch.block_tables)
+    # padding rows: no KV write, an empty context, greedy, their own row sampled, one token each
+    assert (got["slot_mapping"][s:] == -1).all() and (got["context_lens"][s:] == 0).all()
+    assert (got["temperature"][s:] == 0).all() and (got["top_p"][s:] == 1).all()
+    np.testing.assert_array_equal(got["logits_indices"], np.arange(b))
+    np.testing.assert_array_equal(got["cu_seqlens_q"], np.arange(b + 1))
+    assert (got["block_tables"][s:] == -1).all() and (got["block_tables"][:, width:] == -1).all()
+
+
+def test_buckets():
+    assert batch_buckets(256)[:7] == (1, 2, 4, 8, 16, 32, 48) and batch_buckets(256)[-1] == 256
+    assert batch_buckets(40) == (1, 2, 4, 8, 16, 32, 40) and batch_buckets(1) == (1,)
+    assert width_buckets(8192) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert width_buckets(100) == (16, 32, 64, 100) and width_buckets(5) == (5,)
