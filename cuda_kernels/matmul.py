@@ -20,12 +20,32 @@ Thread mappings:
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
+- ``gemm_tc`` (prefill, large decode batches; tensor cores): grid = (ceil(N / BN), ceil(M / BM)), block =
+  32 * (BM / WM) * (BN / WN); warp v owns the WM x WN sub-tile at ((v // (BN/WN)) * WM, (v % (BN/WN)) * WN),
+  i.e. (WM/16) x (WN/8) mma tiles of 16 x 8, whose fragments follow cuda_kernels/mma.py (lane (g, t) =
+  (lane // 4, lane % 4) accumulates rows g, g + 8 and columns 2t, 2t + 1 of each). Per BK slab, thread i
+  stages 4-element quads i, i + threads, ... of x (split into three bf16 planes) and of W into shared
+  memory, while the next slab's quads are already loading into its registers.
+
+The bf16x3 split (gemm_tc). Tensor cores multiply bf16, but x is fp32 (DESIGN.md: GPU and reference may
+differ only in summation order). So each x is cut into three bf16 pieces, x = hi + mid + lo exactly (24
+significant bits = 8 + 8 + 8; see _split_bf16x3), and out = hi @ W^T + mid @ W^T + lo @ W^T, three mma per
+16 x 8 x 16 tile, all into the same fp32 accumulators. A product of two bf16 (8 significant bits each) is
+exact in fp32, so every term piece * w is exact and only the order (and the tensor core's internal rounding)
+of the fp32 sums differs from the reference. W is bf16 already: one B fragment serves all three pieces.
+The price is 3x the tensor-core work: the ceiling is a third of the mma peak. Exactness needs the pieces to
+be normal numbers: below about 2^-110 the low pieces become subnormal (or zero) and some low bits of x go
+(an absolute error of at most about 2^-125 |w| per term, far under the tolerance). An infinite x stays
+infinite (it is all hi); an infinite weight meets zero pieces and gives NaN, not +-inf (weights are finite).
 
 Versions:
 1. matmul_naive: one thread per output, uncoalesced W reads. The teaching baseline.
 2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows.
-3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores yet).
-4. matmul: what the engine calls; gemv for M <= GEMV_MAX_M, gemm above.
+3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
+4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x, tiled
+   through shared memory as packed bf16 quads (64-bit, conflict-free fragment loads), W read as 64-bit words
+   when K % 4 == 0, the next slab prefetched into registers.
+5. matmul: what the engine calls; gemv for M <= GEMV_MAX_M, gemm_tc above (gemm in the simulator).
 """
 
 from __future__ import annotations
@@ -39,7 +59,8 @@ from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda impo
 from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.primitives import WARP, bf16_to_f32, warp_sum
+from cuda_kernels.mma import mma_bf16_m16n8k16
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, warp_sum
 
 # Largest M that the engine's matmul sends to gemv; above it the tiled gemm wins (gemv reads W once per
 # m_tile rows of x, gemm once per BM rows). NOTE: a first guess from the shapes, to be re-measured on the GPU.
@@ -66,10 +87,24 @@ class GemmTile(NamedTuple):
     tn: int = 4    # outputs per thread along N
 
 
+class GemmTcTile(NamedTuple):
+    bm: int = 128  # output tile rows (M), a multiple of wm
+    bn: int = 128  # output tile columns (N), a multiple of wn
+    bk: int = 32   # K slab staged in shared memory per step, a multiple of 16 (one mma k-step)
+    wm: int = 64   # rows of the warp tile, a multiple of 16 (m16 of the mma)
+    wn: int = 32   # columns of the warp tile, a multiple of 8 (n8 of the mma)
+
+
 # The simulator runs one Python thread per CUDA thread: fewer, busier threads keep engine tests affordable
 # there (the kernel tests cover the GPU's configurations too).
 GEMV_CONFIG = GemvConfig()
 GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
+# gemm_tc: the 128 x 128 tile (8 warps of 64 x 32) when it gives at least a wave of blocks, else the 64 x 64
+# one (4 warps of 32 x 32), which keeps more SMs busy on small outputs (M = 256 against N = 2048 is 32 big
+# tiles for 132 SMs). NOTE: the crossover is a first guess from the SM count, to be re-measured on the GPU.
+GEMM_TC_TILE = GemmTcTile(16, 16, 16, 16, 8) if SIMULATOR else GemmTcTile()
+GEMM_TC_SMALL_TILE = GemmTcTile(16, 16, 16, 16, 8) if SIMULATOR else GemmTcTile(64, 64, 32, 32, 32)
+GEMM_TC_WAVE = 132  # SMs of the H200
 _NAIVE_BLOCK_N = 128
 
 
@@ -91,6 +126,34 @@ def _high_pair(word):
     """Elements 2 and 3 of a uint64 word of four bf16, as fp32."""
     hi = uint32(uint64(word) >> uint64(32))
     return bf16_to_f32(hi & uint32(0xFFFF)), bf16_to_f32(hi >> uint32(16))
+
+
+@cuda.jit(device=True)
+def _split_bf16x3(v):
+    """fp32 v -> (hi, mid, lo) bf16 bit patterns (uint32) with hi + mid + lo == v exactly (the bf16x3 split).
+
+    Truncation: hi keeps v's top 16 bits (sign, exponent, 7 mantissa bits), so v - hi is exact (it is v's
+    low 16 mantissa bits); mid truncates that remainder the same way, and what is left has at most 8
+    significant bits, so lo = bf16(v - hi - mid) is exact. Every piece has v's sign and |piece| <= |v|.
+    """
+    hi = f32_bits(v) >> uint32(16)
+    # NOTE: an infinite v is all hi (inf - inf would be NaN and poison a finite product); NaN stays NaN
+    rest = float32(0) if abs(v) == float32(np.inf) else v - bf16_to_f32(hi)
+    mid = f32_bits(rest) >> uint32(16)
+    lo = f32_bits(rest - bf16_to_f32(mid)) >> uint32(16)
+    return hi, mid, lo
+
+
+@cuda.jit(device=True)
+def _pack4(b0, b1, b2, b3):
+    """Four bf16 bit patterns -> one uint64, b0 in the low 16 bits (the memory order of 4 bf16)."""
+    return (uint64(b0) | (uint64(b1) << uint64(16)) | (uint64(b2) << uint64(32)) | (uint64(b3) << uint64(48)))
+
+
+@cuda.jit(device=True)
+def _halves(word):
+    """A uint64 -> (low, high) uint32 words: two mma registers of two bf16 each."""
+    return uint32(uint64(word) & uint64(0xFFFFFFFF)), uint32(uint64(word) >> uint64(32))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -268,6 +331,162 @@ def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
     return gemm_kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, w_words: bool):
+    """The tensor-core gemm kernel for a BM x BN block tile of WM x WN warp tiles and BK-wide K slabs.
+
+    Math: out[m, n] = sum_k (hi + mid + lo)(x[m, k]) * W[n, k], each piece a bf16 (the bf16x3 split, module
+    docstring), computed as mma tiles D (16 x 8) += A (16 x 16) @ B (16 x 8) with A = a piece of x's tile and
+    B[k, n] = W[n, k] (mma's "col" B is a row of W).
+
+    Shared memory holds quads: a uint64 of 4 bf16 of one row at k = k0 + 16 s + 4 t .. + 3 (s: mma k-step of
+    the slab, t = 0..3), xs[p, s, row, t] for piece p of x and ws[s, row, t] for W. For W that is just its
+    memory layout (one 64-bit load). The fragments come from these quads with one 64-bit shared load per
+    register pair: lane (g, t) takes quad t of rows g and g + 8 (A) and of column g (B), and uses
+    low word -> a0 (row g) / a1 (row g + 8) / b0, high word -> a2 / a3 / b1.
+    NOTE: this feeds mma the k's of a step in another order than its nominal layout (mma.py): its k-slots
+    2t, 2t+1 hold real k 4t, 4t+1 and slots 2t+8, 2t+9 real k 4t+2, 4t+3. A and B use the same order, so the
+    sum over k is unchanged; the order buys a whole quad per load and conflict-free banks (a half-warp reads
+    4 rows x 4 consecutive quads = 32 consecutive words). Each lane's D elements keep the nominal layout.
+
+    Tails: x rows >= M, W rows >= N and k >= K are staged as zeros (K need not be a multiple of 16 or 4);
+    outputs are stored only inside (M, N).
+
+    w_words: the weight comes as its uint64 view (N, K/4), 4 bf16 per load (needs K % 4 == 0); otherwise as
+    the (N, K) uint16 array, read one bf16 at a time (any K).
+    """
+    if bk % 16 or wm % 16 or wn % 8 or bm % wm or bn % wn:
+        raise ValueError(f"gemm_tc tile {(bm, bn, bk, wm, wn)}: need bk % 16, wm % 16, wn % 8, bm % wm and "
+                         f"bn % wn all zero")
+    WARPS_N = bn // wn
+    THREADS = WARP * (bm // wm) * WARPS_N
+    if THREADS > 1024:
+        raise ValueError(f"gemm_tc tile {(bm, bn, bk, wm, wn)} gives {THREADS} threads per block (max 1024)")
+    S = bk // 16          # mma k-steps per slab
+    MI = wm // 16         # m16 tiles per warp
+    NJ = wn // 8          # n8 tiles per warp
+    Q = bk // 4           # 4-element quads per row of a slab (one uint64 of shared memory each)
+    X_QUADS = bm * Q      # quads of an x slab, spread over the threads
+    W_QUADS = bn * Q
+    X_PER = (X_QUADS + THREADS - 1) // THREADS
+    W_PER = (W_QUADS + THREADS - 1) // THREADS
+    # NOTE: 2 rows of padding per k-step plane shift consecutive planes by 16 banks, so the half-warp that
+    # stores quads of k-steps 0 and 1 of the same rows hits distinct banks (fragment reads are conflict-free
+    # either way: a half-warp reads 4 rows x 4 consecutive uint64).
+    XS_ROWS = bm + 2
+    WS_ROWS = bn + 2
+
+    @cuda.jit(device=True)
+    def load_slab(x, w, k0, xr, wr):
+        """Global -> registers: this thread's quads of the x slab (fp32) and W slab (4 bf16 words) at k0."""
+        M = x.shape[0]
+        K = x.shape[1]
+        N = w.shape[0]
+        m0 = cuda.blockIdx.y * bm
+        n0 = cuda.blockIdx.x * bn
+        for e in range(X_PER):
+            idx = cuda.threadIdx.x + THREADS * e
+            m = m0 + idx // Q
+            k = k0 + 4 * (idx % Q)
+            for j in range(4):
+                xr[e, j] = x[m, k + j] if idx < X_QUADS and m < M and k + j < K else float32(0)
+        for e in range(W_PER):
+            idx = cuda.threadIdx.x + THREADS * e
+            n = n0 + idx // Q
+            q = k0 // 4 + idx % Q
+            word = uint64(0)
+            if idx < W_QUADS and n < N:
+                if w_words:
+                    if q < w.shape[1]:
+                        word = w[n, q]
+                else:
+                    for j in range(4):
+                        if 4 * q + j < K:
+                            word |= uint64(w[n, 4 * q + j]) << uint64(16 * j)
+            wr[e] = word
+
+    @cuda.jit(device=True)
+    def store_slab(xr, wr, xs, ws):
+        """Registers -> shared: x split into its three bf16 planes, W words as they are."""
+        for e in range(X_PER):
+            idx = cuda.threadIdx.x + THREADS * e
+            if idx < X_QUADS:
+                r = idx // Q
+                s = (idx % Q) // 4
+                t = idx % 4
+                h0, d0, l0 = _split_bf16x3(xr[e, 0])
+                h1, d1, l1 = _split_bf16x3(xr[e, 1])
+                h2, d2, l2 = _split_bf16x3(xr[e, 2])
+                h3, d3, l3 = _split_bf16x3(xr[e, 3])
+                xs[0, s, r, t] = _pack4(h0, h1, h2, h3)
+                xs[1, s, r, t] = _pack4(d0, d1, d2, d3)
+                xs[2, s, r, t] = _pack4(l0, l1, l2, l3)
+        for e in range(W_PER):
+            idx = cuda.threadIdx.x + THREADS * e
+            if idx < W_QUADS:
+                ws[(idx % Q) // 4, idx // Q, idx % 4] = wr[e]
+
+    @cuda.jit
+    def gemm_tc_kernel(x, w, out):
+        """x (M, K) f32; w (N, K/4) u64 [w_words] or (N, K) u16 bf16; out (M, N) f32. Block (bx, by)
+        computes out[by*BM : by*BM+BM, bx*BN : bx*BN+BN]; warp v the WM x WN sub-tile at rows
+        (v // WARPS_N) * WM, columns (v % WARPS_N) * WN of it."""
+        M = x.shape[0]
+        K = x.shape[1]
+        N = out.shape[1]
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        g = lane // 4
+        t = lane % 4
+        wm0 = (warp // WARPS_N) * wm
+        wn0 = (warp % WARPS_N) * wn
+
+        # xs[p, s, r, t]: bf16 piece p (hi, mid, lo) of x[m0 + r, k0 + 16 s + 4 t : +4], packed in a uint64;
+        # ws[s, r, t]: W[n0 + r, k0 + 16 s + 4 t : +4], the same packing (see the gemm_tc docstring).
+        xs = cuda.shared.array((3, S, XS_ROWS, 4), uint64)
+        ws = cuda.shared.array((S, WS_ROWS, 4), uint64)
+        xr = cuda.local.array((X_PER, 4), float32)   # the next slab, in flight during the current one's mma
+        wr = cuda.local.array(W_PER, uint64)
+        acc = cuda.local.array((MI, NJ, 4), float32)
+        bf = cuda.local.array((NJ, 2), uint32)
+        for i in range(MI):
+            for j in range(NJ):
+                for c in range(4):
+                    acc[i, j, c] = float32(0)
+
+        load_slab(x, w, 0, xr, wr)
+        for k0 in range(0, K, bk):
+            store_slab(xr, wr, xs, ws)
+            cuda.syncthreads()
+            if k0 + bk < K:
+                load_slab(x, w, k0 + bk, xr, wr)
+            for s in range(S):
+                for j in range(NJ):
+                    bf[j, 0], bf[j, 1] = _halves(ws[s, wn0 + 8 * j + g, t])
+                for p in range(3):
+                    for i in range(MI):
+                        a0, a2 = _halves(xs[p, s, wm0 + 16 * i + g, t])
+                        a1, a3 = _halves(xs[p, s, wm0 + 16 * i + 8 + g, t])
+                        for j in range(NJ):
+                            acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_m16n8k16(
+                                a0, a1, a2, a3, bf[j, 0], bf[j, 1],
+                                acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+            cuda.syncthreads()  # the next store overwrites xs and ws
+
+        m_base = cuda.blockIdx.y * bm + wm0 + g
+        n_base = cuda.blockIdx.x * bn + wn0 + 2 * t
+        for i in range(MI):
+            for j in range(NJ):
+                for c in range(4):
+                    m = m_base + 16 * i + 8 * (c // 2)
+                    n = n_base + 8 * j + c % 2
+                    if m < M and n < N:
+                        out[m, n] = acc[i, j, c]
+
+    gemm_tc_kernel.threads = THREADS
+    return gemm_tc_kernel
+
+
 # ---------------------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------------------
@@ -351,9 +570,38 @@ def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE):
     kernel[grid, kernel.threads, stream](x, weight, out)
 
 
+def gemm_tc_tile(m: int, n: int) -> GemmTcTile:
+    """The tile gemm_tc uses by default for an (m, n) output: the big one when its grid fills a wave."""
+    big = GEMM_TC_TILE
+    blocks = ((n + big.bn - 1) // big.bn) * ((m + big.bm - 1) // big.bm)
+    return big if blocks >= GEMM_TC_WAVE else GEMM_TC_SMALL_TILE
+
+
+def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None):
+    """out = x @ W^T for large M (prefill, big decode batches) on tensor cores (bf16x3 split), any M, N, K.
+
+    tile: the block and warp tiles; by default GEMM_TC_TILE when its grid fills a wave of SMs, else
+    GEMM_TC_SMALL_TILE. The weight is read 4 bf16 per load through its uint64 view when K % 4 == 0 (and it
+    is C-contiguous), one bf16 per load otherwise.
+    """
+    M, N, K = _check_args(x, weight, out)
+    if M == 0 or N == 0:
+        return
+    tile = tile or gemm_tc_tile(M, N)
+    w_words = K % 4 == 0 and weight.is_c_contiguous()
+    kernel = _gemm_tc_kernel(*tile, w_words)
+    grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
+    kernel[grid, kernel.threads, stream](x, weight.view(np.uint64) if w_words else weight, out)
+
+
 def matmul(x, weight, out, stream=0):
-    """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M, gemm above."""
+    """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M, gemm_tc above.
+
+    NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
+    barriers over Python threads (gemm_tc's own tests still run there)."""
     if len(getattr(x, "shape", ())) == 2 and x.shape[0] <= GEMV_MAX_M:
         gemv(x, weight, out, stream)
-    else:
+    elif SIMULATOR:
         gemm(x, weight, out, stream)
+    else:
+        gemm_tc(x, weight, out, stream)

@@ -1,4 +1,5 @@
-"""cuda_kernels/matmul.py (naive, gemv, gemm and the matmul dispatcher) against reference/matmul.py.
+"""cuda_kernels/matmul.py (naive, gemv, gemm, gemm_tc and the matmul dispatcher) against reference/matmul.py,
+and the tensor-core primitive of cuda_kernels/mma.py on its own.
 
 Every version is checked the same way: random x and bf16 W of hypothesis-chosen shapes and magnitudes, the
 output compared elementwise with a tolerance derived from the numerics (fp32 sums in another order than
@@ -14,6 +15,7 @@ from kernel_support import F32_EPS, SIM, device_empty, dot_tolerance, pick, size
 from numba import cuda
 
 from cuda_kernels import matmul as mm
+from cuda_kernels import mma
 from reference.bf16 import bf16_to_f32, f32_to_bf16
 from reference.matmul import matmul as reference_matmul
 
@@ -138,6 +140,72 @@ def test_gemm_small_tiles(seed, m, nk, x_scale, w_scale, tile):
     check(run(mm.gemm, x, w, tile=tile), x, w)
 
 
+@settings(max_examples=pick(5, 10))
+@given(seeds)
+def test_mma_fragment_layout(seed):
+    """One warp, one 16 x 8 x 16 mma through the PTX fragment layout. Small integers keep every product and
+    partial sum exact, so D must equal A @ B + C bit for bit: a lane holding the wrong element cannot hide."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-8, 9, (16, 16)).astype(np.float32)
+    b = rng.integers(-8, 9, (16, 8)).astype(np.float32)
+    c = rng.integers(-100, 101, (16, 8)).astype(np.float32)
+    d = device_empty((16, 8), np.float32)
+    mma.mma_tile(to_device(f32_to_bf16(a)), to_device(f32_to_bf16(b.T)), to_device(c), d)
+    np.testing.assert_array_equal(d.copy_to_host(), a @ b + c)
+
+
+@settings(max_examples=pick(5, 10))
+@given(seeds, x_scales, w_scales)
+def test_mma_fragment_random_values(seed, x_scale, w_scale):
+    """The same product of random bf16 values: exact products, fp32 sums (the tensor core's own order)."""
+    rng = np.random.default_rng(seed)
+    a = f32_to_bf16(rng.standard_normal((16, 16), dtype=np.float32) * np.float32(x_scale))
+    w = f32_to_bf16(rng.standard_normal((8, 16), dtype=np.float32) * np.float32(w_scale))
+    c = np.zeros((16, 8), np.float32)
+    d = device_empty((16, 8), np.float32)
+    mma.mma_tile(to_device(a), to_device(w), to_device(c), d)
+    check(d, bf16_to_f32(a), w)
+
+
+def gemm_tc_tiles():
+    """Simulator: the engine's tile and two small ones (several warps along M and N with two k-steps per slab;
+    one warp with 2 x 2 mma tiles). GPU: the engine's two tiles and the same small ones."""
+    small = [mm.GemmTcTile(32, 16, 32, 16, 8), mm.GemmTcTile(32, 16, 16, 32, 16)]
+    engine = [mm.GEMM_TC_TILE] if SIM else [mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE]
+    return st.sampled_from(engine + small)
+
+
+@settings(max_examples=pick(8, 20))
+@given(seeds, sizes(20, [16, 64, 256, 1024], 1100), weight_shapes(24, 40), x_scales, w_scales)
+def test_gemm_tc(seed, m, nk, x_scale, w_scale):
+    """The engine's tile choice (the launcher's default). K % 4 != 0 takes the bf16-at-a-time weight loads;
+    K not a multiple of 16 zero-pads the last slab; partial tiles along M and N."""
+    n, k = nk
+    m = cap_m(m, n, k)
+    x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
+    check(run(mm.gemm_tc, x, w), x, w)
+
+
+@settings(max_examples=pick(8, 15))
+@given(seeds, sizes(40, [16, 64, 256, 1024], 700), weight_shapes(20, 40), gemm_tc_tiles())
+def test_gemm_tc_tiles(seed, m, nk, tile):
+    n, k = nk
+    m = cap_m(m, n, k)
+    x, w = make_inputs(seed, m, n, k)
+    check(run(mm.gemm_tc, x, w, tile=tile), x, w)
+
+
+def test_gemm_tc_keeps_infinity():
+    """An infinite activation is carried whole by the hi piece (inf - inf would make the others NaN)."""
+    x, w = make_inputs(0, 3, 5, 24)
+    x[1, 7] = np.inf
+    x[2, 3] = -np.inf
+    got = run(mm.gemm_tc, x, w).copy_to_host()
+    want = reference_matmul(x, w)
+    np.testing.assert_array_equal(got[1:], want[1:])   # +-inf in the infinite rows, signs per column
+    check(got[:1], x[:1], w)
+
+
 @settings(max_examples=pick(5, 15))
 @given(seeds, sizes(12, [1, 2, 7, 8, 9, 16, 64, 256, 1024], 1100), weight_shapes(24, 40))
 def test_matmul_dispatch(seed, m, nk):
@@ -161,6 +229,7 @@ VERSIONS = {
     "gemv": mm.gemv,
     "gemm": mm.gemm,
     "gemm-small-tile": lambda x, w, out: mm.gemm(x, w, out, tile=SMALL_TILES[0]),
+    "gemm_tc": mm.gemm_tc,
     "matmul": mm.matmul,
 }
 
@@ -191,7 +260,7 @@ def test_nan_row_and_column_stay_confined(version, seed, m, nk, data):
 # launcher argument checks
 # ---------------------------------------------------------------------------------------------------------
 
-LAUNCHERS = [mm.matmul_naive, mm.gemv, mm.gemm, mm.matmul]
+LAUNCHERS = [mm.matmul_naive, mm.gemv, mm.gemm, mm.gemm_tc, mm.matmul]
 
 
 def _args(m=3, n=5, k=8, x_dtype=np.float32, w_dtype=np.uint16, out_dtype=np.float32, out_shape=None):
@@ -226,9 +295,11 @@ def test_launcher_rejects_host_arrays(launcher):
 
 
 def test_uint64_weight_view_only_where_gemv_takes_it():
-    """gemv accepts W's uint64 view (K = 4 * its width); gemm would read it as bf16, so it refuses it."""
+    """gemv accepts W's uint64 view (K = 4 * its width); gemm and gemm_tc would read it as bf16: refused."""
     x, w, out = _args(k=8)
     with pytest.raises(ValueError, match=r"x \(3, 8\) and weight \(5, 1\) \(uint64\) disagree on K \(8 vs 4"):
         mm.gemv(x, device_empty((5, 1), np.uint64), out)
     with pytest.raises(ValueError, match="weight must be uint16 bf16 bits, got uint64"):
         mm.gemm(x, w.view(np.uint64), out)
+    with pytest.raises(ValueError, match="weight must be uint16 bf16 bits, got uint64"):
+        mm.gemm_tc(x, w.view(np.uint64), out)
