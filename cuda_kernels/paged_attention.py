@@ -18,25 +18,55 @@ Shapes and dtypes:
     out           (S, Hq, d)              float32
     partial_out   (S, Hq, P, d)           float32   split-K workspace (see split_workspace_shapes)
     partial_max, partial_sum (S, Hq, P)   float32
+    workspace     (n,)                    float32   the fast kernel's split-K partials, carved from one buffer
+                                                    of decode_workspace_size(...) floats
 d must be a multiple of 8 and at most 128 (K/V are loaded 4 bf16 = 64 bits at a time).
 
-Thread mapping (both kernels walk keys the same way): a block of WARPS warps (4, or 2 for d > 64 so the tiles
-fit in 48 KB; 2 in the simulator) per (sequence, head[, partition]). The keys are cut into tiles of 32; warp w
-takes tiles w, w + WARPS, ..., each warp with its own online-softmax state and its own shared buffers. For a
-tile: lane j looks up the cache row of key j (block table, offset, KV head) once; the warp copies the tile's
-K and V rows (raw bf16, 64-bit words, 8 loads in flight per lane) into shared memory; lane j scores key j
-(q broadcast from shared memory; K rows padded to an odd stride so the 32 lanes hit 32 banks); one warp max
-gives the new running max; then lane (g, w) = (lane // (d/4), lane % (d/4)) accumulates dims 4w .. 4w+3 of
-P V over keys g, g + 32 / (d/4), ... At the end the block merges its warps' states through shared memory.
+Thread mapping of v1 and split (both walk keys the same way): a block of WARPS warps (4, or 2 for d > 64 so
+the tiles fit in 48 KB; 2 in the simulator) per (sequence, head[, partition]). The keys are cut into tiles of
+32; warp w takes tiles w, w + WARPS, ..., each warp with its own online-softmax state and its own shared
+buffers. For a tile: lane j looks up the cache row of key j (block table, offset, KV head) once; the warp
+copies the tile's K and V rows (raw bf16, 64-bit words, 8 loads in flight per lane) into shared memory; lane j
+scores key j (q broadcast from shared memory; K rows padded to an odd stride so the 32 lanes hit 32 banks);
+one warp max gives the new running max; then lane (g, w) = (lane // (d/4), lane % (d/4)) accumulates dims
+4w .. 4w+3 of P V over keys g, g + 32 / (d/4), ... At the end the block merges its warps' states through
+shared memory.
 
 Versions:
-- `paged_attention` (v1): grid = (S, Hq), one block per (sequence, head) walks the whole context. Enough
+- `paged_attention_v1`: grid = (S, Hq), one block per (sequence, head) walks the whole context. Enough
   blocks when the batch is large; at batch 1 it fills only Hq SMs. The G query heads of a KV head each
-  stage the same K/V tiles (from L2); sharing one staged tile among them is the next step.
+  stage the same K/V tiles (from L2), and every K/V word goes through shared memory.
 - `paged_attention_split` + `paged_attention_reduce` (split-K): grid = (S, Hq, P); block p walks keys
   p * partition_size .. (p + 1) * partition_size - 1 and writes its partial (max, sum, unnormalised acc), a
   neutral (-inf, 0, 0) past the context; then grid = (S, Hq), one warp per (sequence, head) merges the
   ceil(context_len / partition_size) partitions. For long contexts at small batch.
+- `paged_attention` (the engine's; GQA-shared, register-resident, split-K): one block per (sequence, KV
+  head[, partition]) serves all the query heads of the group, so each K/V row is read from global memory
+  once; K/V stay in registers, several lanes share a key. See "The fast kernel" below.
+
+The fast kernel (`paged_attention`). Per key the work is fixed by the math: 2 d bf16 of K and V read, and
+for each of the G query heads a d-long dot product, one exp and a d-long axpy. v1 adds to that, per head, a
+shared-memory store and load of every K/V word and a 32-lane max per tile; the fast kernel removes both and
+reads K/V once for all G heads.
+    grid  = (S, Hkv * C, P): C = ceil(G / HB) chunks of HB <= 4 query heads per KV head (register budget),
+            P partitions of the block table (P = 1: no workspace, the kernel writes out itself)
+    block = NW warps; lane = slot * LPK + sub: the LPK (8, or 4) lanes of a slot share one key,
+            lane sub owning 64-bit words sub, sub + LPK, ... of the K and V rows (4 bf16 each), so one warp
+            load instruction reads 32 / LPK whole 32-byte sectors; the 32 / LPK slots take 32 / LPK keys.
+    walk  : warp w takes KV blocks w, w + NW, ... of its partition (one block-table load per block of BS
+            tokens); a slot takes keys slot, slot + 32 / LPK, ... of the block, U at a time (all their loads
+            issued before the first use). The score of a key for head h is the lane's partial dot product
+            (q times scale log2(e), held in registers) summed over the slot's LPK lanes with LPK-wide xor
+            shuffles; every lane of the slot then has it.
+    state : per slot and head an online-softmax state (m, l, acc), acc over the lane's own dims: no
+            cross-slot traffic in the loop; acc and l are rescaled only when a key raises m (rare after the
+            first keys), instead of every tile.
+    merge : every (warp, slot) writes its states to shared memory; one weight exp(m - M) per state, then
+            thread t sums output (head, dim) pairs t, t + 32 NW, ... over the states.
+Per key (G = 4, d = 64, LPK = 8), each of its 8 lanes: 4 64-bit loads, 16 bf16 unpacks, 32 + 32 FMA (scores,
+P V), 12 shuffles and adds, 4 exp2 (one MUFU op each: scores are kept in log2 units): about 130 lane
+instructions, so ~33 warp instructions per key for all 4 heads and 256 bytes of K/V read once; v1 spends
+~25 per key per head (~100 for the group) and stages the same rows 4 times.
 """
 
 import math
@@ -48,9 +78,19 @@ from numba import cuda, float32, int32, uint64
 from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, cache_words,
                                     check_cache_args, store_words, unpack_bf16x4, warp_barrier)
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.primitives import WARP, warp_max, warp_sum
+from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum
 
 MAX_WARPS = 2 if SIMULATOR else 4   # the simulator runs one Python thread per CUDA thread
+LOG2E = float32(1 / math.log(2))
+LN2 = float32(math.log(2))
+# Lanes sharing one key in the fast kernel. 8 (d = 64: 8 dims each) compiles to 128 registers, 16 warps per
+# SM; 4 needs ~20% fewer instructions per key but 204 registers, 8 warps per SM (tools/ benchmarks both).
+LANES_PER_KEY = 8
+MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel serves (registers: q and acc)
+# The fast kernel's split-K policy (from shapes only, so a captured CUDA graph stays valid): enough partitions
+# that the grid has about TARGET_BLOCKS blocks, none shorter than MIN_PARTITION_KEYS keys.
+TARGET_BLOCKS = 2048
+MIN_PARTITION_KEYS = 256
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -274,6 +314,243 @@ def paged_attention_reduce_kernel(partial_out, partial_max, partial_sum, context
         out[seq, head, dim] = acc / total if total > float32(0) else float32(0)
 
 
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def slot_sum(value, width):
+        """The sum of `value` over the `width` lanes of this lane's slot (lanes width * k .. width * k + width
+        - 1), in every one of them. The simulator has no shuffles: a block-wide shared-memory exchange (every
+        thread of the block must call it the same number of times)."""
+        buf = cuda.shared.array(1024, float32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        buf[tid] = value
+        cuda.syncthreads()
+        first = tid - tid % width
+        total = float32(0)
+        for i in range(width):
+            total += buf[first + i]
+        return total
+else:
+    @cuda.jit(device=True, inline=True)
+    def slot_sum(value, width):
+        """The sum of `value` over the `width` lanes of this lane's slot, in every one of them: a butterfly of
+        xor shuffles within the slot (width a power of two; all 32 lanes of the warp take part)."""
+        offset = width // 2
+        while offset > 0:
+            value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+            offset //= 2
+        return value
+
+
+@lru_cache(maxsize=None)
+def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, lanes_per_key: int, warps: int):
+    """(direct kernel, split kernel) of the fast decode attention for one configuration (see the module
+    docstring, "The fast kernel"). The direct kernel (grid z = 1) writes out; the split kernel writes the
+    partials of its partition, which paged_attention_reduce_kernel merges."""
+    D, BS, HKV, G, LPK, NW = head_dim, block_size, num_kv_heads, group, lanes_per_key, warps
+    NT = NW * WARP
+    HB = heads_per_block(G)          # query heads per block
+    C = -(-G // HB)                  # blocks (head chunks) per KV head
+    KPW = WARP // LPK                # slots (keys in flight) per warp
+    WD = D // 4                      # 64-bit words (4 bf16) per K/V row
+    WPL = -(-WD // LPK)              # words per lane: lane sub owns words sub, sub + LPK, ...
+    EVEN = WD % LPK == 0             # every lane owns WPL words (else the last ones are masked)
+    U = max(1, min(8 // WPL, -(-BS // KPW)))  # keys per slot per round of loads: 8 words of K and of V
+    CH = U * KPW                     # keys per warp per round
+    QW = HB * WPL * 4                # q values (and acc values) per lane
+    KW = U * WPL                     # K words (and V words) in flight per lane
+    STATES = NW * KPW                # online-softmax states per head in a block, one per (warp, slot)
+    SS = HB * D + 1                  # NOTE: odd stride between the states' acc rows: fewer bank conflicts
+    ACC_SIZE = STATES * SS           # (array sizes must be plain constants for numba, not expressions)
+    ML_SIZE = STATES * HB
+
+    @cuda.jit(device=True)
+    def seq_and_heads():
+        """(sequence, KV head, first query head, query heads) of this block."""
+        kvh, chunk = cuda.blockIdx.y // C, cuda.blockIdx.y % C
+        return cuda.blockIdx.x, kvh, kvh * G + chunk * HB, min(HB, G - chunk * HB)
+
+    @cuda.jit(device=True)
+    def table_blocks(ctx, block_tables):
+        """KV blocks holding the context's keys (never past the block table, whatever context_lens says)."""
+        return min(max(ctx + BS - 1, 0) // BS, block_tables.shape[1])
+
+    @cuda.jit(device=True)
+    def attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc):
+        """Walk KV blocks b_begin .. b_end - 1 of sequence seq for query heads h0 .. h0 + nh - 1; leaves each
+        (warp, slot) state in shared memory: m in sm, l in sl, acc in sacc (row (warp * KPW + slot) * SS,
+        head h at h * D)."""
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        slot, sub = lane // LPK, lane % LPK
+        col = uint64(sub)        # NOTE: unsigned indices: no negative-index wraparound code per load
+        qr = cuda.local.array(QW, float32)       # q of the block's heads at the lane's dims, times scale log2(e)
+        acc = cuda.local.array(QW, float32)
+        m = cuda.local.array(HB, float32)
+        l = cuda.local.array(HB, float32)
+        sc = cuda.local.array(HB, float32)
+        kw = cuda.local.array(KW, uint64)
+        vw = cuda.local.array(KW, uint64)
+        scale2 = scale * LOG2E   # scores in log2 units: exp(s - m) = exp2(s log2(e) - m log2(e))
+        for h in range(HB):
+            for i in range(WPL):
+                w = sub + LPK * i
+                for c in range(4):
+                    value = float32(0)
+                    if h < nh and (EVEN or w < WD):
+                        value = scale2 * q[seq, h0 + h, 4 * w + c]
+                    qr[(h * WPL + i) * 4 + c] = value
+                    acc[(h * WPL + i) * 4 + c] = float32(0)
+            m[h] = NEG_INF
+            l[h] = float32(0)
+
+        # Every warp makes the same number of rounds (some on no block): the simulator's shuffles are block
+        # barriers. On the GPU the loop bounds are warp-uniform, as the shuffles need.
+        for rnd in range((b_end - b_begin + NW - 1) // NW):
+            b = b_begin + rnd * NW + warp
+            live = b < b_end
+            phys = block_tables[seq, b] if live else 0
+            for c0 in range(0, BS, CH):
+                # All the round's loads first, then their uses. NOTE: mask before the load: a slot past the
+                # context may hold anything (NaN in the tests) and 0 * NaN is NaN, so it is never read.
+                for u in range(U):
+                    off = c0 + u * KPW + slot
+                    ok = live and off < BS and b * BS + off < ctx
+                    row = uint64((phys * BS + off) * HKV + kvh)
+                    for i in range(WPL):
+                        if ok and (EVEN or sub + LPK * i < WD):
+                            kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
+                            vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
+                        else:
+                            kw[u * WPL + i] = U64_ZERO
+                            vw[u * WPL + i] = U64_ZERO
+                for u in range(U):
+                    # Scores: the lane's share of each dot product (fp32, one FMA per product), then the
+                    # slot's sum.
+                    for h in range(HB):
+                        sc[h] = float32(0)
+                    for i in range(WPL):
+                        k0, k1, k2, k3 = unpack_bf16x4(kw[u * WPL + i])
+                        for h in range(HB):
+                            e = (h * WPL + i) * 4
+                            dot = sc[h]
+                            dot += qr[e] * k0
+                            dot += qr[e + 1] * k1
+                            dot += qr[e + 2] * k2
+                            dot += qr[e + 3] * k3
+                            sc[h] = dot
+                    for h in range(HB):
+                        sc[h] = slot_sum(sc[h], LPK)
+                    off = c0 + u * KPW + slot
+                    if live and off < BS and b * BS + off < ctx:
+                        for h in range(HB):
+                            score = sc[h]
+                            if score > m[h]:
+                                # NOTE: rescale only when the max grows (m = -inf at first: c = 0, and
+                                # l and acc are still 0), not once per key.
+                                c = math.exp2(m[h] - score)
+                                l[h] *= c
+                                for a in range(WPL * 4):
+                                    acc[h * WPL * 4 + a] *= c
+                                m[h] = score
+                            p = math.exp2(score - m[h])
+                            l[h] += p
+                            sc[h] = p
+                        for i in range(WPL):
+                            v0, v1, v2, v3 = unpack_bf16x4(vw[u * WPL + i])
+                            for h in range(HB):
+                                e = (h * WPL + i) * 4
+                                acc[e] += sc[h] * v0
+                                acc[e + 1] += sc[h] * v1
+                                acc[e + 2] += sc[h] * v2
+                                acc[e + 3] += sc[h] * v3
+
+        state = warp * KPW + slot
+        if sub == 0:
+            for h in range(HB):
+                sm[state * HB + h] = m[h]
+                sl[state * HB + h] = l[h]
+        for h in range(HB):
+            for i in range(WPL):
+                w = sub + LPK * i
+                if EVEN or w < WD:
+                    for c in range(4):
+                        sacc[state * SS + h * D + 4 * w + c] = acc[(h * WPL + i) * 4 + c]
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def weigh(sm, sl, sw):
+        """sw[state * HB + h] <- exp(m - M_h), M_h the block's max for head h (0 for a state without keys)."""
+        for t in range(cuda.threadIdx.x, ML_SIZE, NT):
+            h = t % HB
+            big = NEG_INF
+            for st in range(STATES):
+                big = max(big, sm[st * HB + h])
+            big_safe = big if big != NEG_INF else float32(0)
+            sw[t] = math.exp2(sm[t] - big_safe)
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def merged(sl, sacc, sw, h, dim):
+        """The block's (sum, acc[dim]) of head h: the states rescaled to the common max and added."""
+        total = float32(0)
+        value = float32(0)
+        for st in range(STATES):
+            e = sw[st * HB + h]
+            total += e * sl[st * HB + h]
+            value += e * sacc[st * SS + h * D + dim]
+        return total, value
+
+    @cuda.jit
+    def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, out):
+        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/4) u64, row (block * BS + offset) * HKV
+        # + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * C)
+        seq, kvh, h0, nh = seq_and_heads()
+        sm = cuda.shared.array(ML_SIZE, float32)
+        sl = cuda.shared.array(ML_SIZE, float32)
+        sw = cuda.shared.array(ML_SIZE, float32)
+        sacc = cuda.shared.array(ACC_SIZE, float32)
+        ctx = context_lens[seq]
+        attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, 0, table_blocks(ctx, block_tables), ctx,
+               scale, sm, sl, sacc)
+        weigh(sm, sl, sw)
+        for t in range(cuda.threadIdx.x, nh * D, NT):
+            h, dim = t // D, t % D
+            total, value = merged(sl, sacc, sw, h, dim)
+            out[seq, h0 + h, dim] = value / total if total > float32(0) else float32(0)
+
+    @cuda.jit
+    def split_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, partition_blocks, partial_out,
+                     partial_max, partial_sum):
+        # partial_out (S, Hq, P, D) f32; partial_max, partial_sum (S, Hq, P) f32; grid (S, HKV * C, P),
+        # partition p = KV blocks p * partition_blocks .. (p + 1) * partition_blocks - 1
+        seq, kvh, h0, nh = seq_and_heads()
+        part = cuda.blockIdx.z
+        ctx = context_lens[seq]
+        b_begin = part * partition_blocks
+        b_end = min(table_blocks(ctx, block_tables), b_begin + partition_blocks)
+        if b_begin >= b_end:
+            return  # past the context: paged_attention_reduce_kernel never reads this partition
+        sm = cuda.shared.array(ML_SIZE, float32)
+        sl = cuda.shared.array(ML_SIZE, float32)
+        sw = cuda.shared.array(ML_SIZE, float32)
+        sacc = cuda.shared.array(ACC_SIZE, float32)
+        attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc)
+        weigh(sm, sl, sw)
+        for t in range(cuda.threadIdx.x, nh * D, NT):
+            h, dim = t // D, t % D
+            total, value = merged(sl, sacc, sw, h, dim)
+            partial_out[seq, h0 + h, part, dim] = value
+            if dim == 0:
+                big = NEG_INF
+                for st in range(STATES):
+                    big = max(big, sm[st * HB + h])
+                partial_max[seq, h0 + h, part] = big * LN2   # back to natural units for the reduce
+                partial_sum[seq, h0 + h, part] = total
+
+    return direct_kernel, split_kernel
+
+
 # ---------------------------------------------------------------------------------------------------------
 # launchers
 
@@ -289,7 +566,7 @@ def decode_warps(head_dim: int) -> int:
     return max(1, min(MAX_WARPS, (SHARED_BUDGET - 4 * head_dim) // per_warp))
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0):
+def paged_attention_v1(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (v1)."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
     if q.shape[0] == 0:
@@ -298,6 +575,99 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     kernel, _ = _decode_kernels(d, block_size, k_cache.shape[2], warps)
     kernel[(q.shape[0], q.shape[1]), warps * WARP, stream](
         q, cache_rows(k_cache), cache_rows(v_cache), block_tables, context_lens, np.float32(scale), out)
+
+
+def heads_per_block(group: int) -> int:
+    """Query heads per block of the fast kernel: the group cut into the fewest chunks of <= MAX_BLOCK_HEADS,
+    as even as they can be (a group of 6 is two blocks of 3, not 4 + 2)."""
+    return -(-group // -(-group // MAX_BLOCK_HEADS))
+
+
+def fast_warps(head_dim: int, group: int, lanes_per_key: int) -> int:
+    """Warps per block of the fast kernel: up to MAX_WARPS, as many as their merge buffers fit in 48 KB."""
+    heads = heads_per_block(group)
+    per_warp = 4 * (WARP // lanes_per_key) * (heads * head_dim + 1 + 3 * heads)
+    return max(1, min(MAX_WARPS, SHARED_BUDGET // per_warp))
+
+
+def _partition_bound(num_seqs, num_heads, num_kv_heads, max_blocks, block_size):
+    group = num_heads // num_kv_heads
+    blocks_per_seq = num_kv_heads * -(-group // heads_per_block(group))
+    longest = -(-max(int(max_blocks), 1) // max(1, -(-MIN_PARTITION_KEYS // int(block_size))))
+    wanted = -(-TARGET_BLOCKS // max(1, int(num_seqs) * blocks_per_seq))
+    return max(1, min(longest, wanted))
+
+
+def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, block_size):
+    """(partitions, KV blocks per partition) of the fast kernel with a workspace, from shapes only:
+    max_blocks = block_tables.shape[1]. Enough partitions for about TARGET_BLOCKS blocks in the grid, each of
+    at least MIN_PARTITION_KEYS keys; 1 partition means no split (and no workspace use)."""
+    bound = _partition_bound(num_seqs, num_heads, num_kv_heads, max_blocks, block_size)
+    partition_blocks = -(-max(int(max_blocks), 1) // bound)
+    return -(-max(int(max_blocks), 1) // partition_blocks), partition_blocks
+
+
+def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_blocks, block_size) -> int:
+    """float32 elements of the fast kernel's workspace for every batch of up to max_num_seqs sequences and
+    block tables up to max_blocks wide (the runner allocates it once; `paged_attention(..., workspace=)`)."""
+    most = 0
+    for s in range(1, int(max_num_seqs) + 1):
+        parts = _partition_bound(s, num_heads, num_kv_heads, max_blocks, block_size)
+        if parts > 1:
+            most = max(most, s * num_heads * parts * (head_dim + 2))
+    return most
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
+                    partition_blocks=None, lanes_per_key=None):
+    """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (fast kernel).
+
+    workspace: a float32 device array of at least decode_workspace_size(...) elements, or None. With it the
+    context is split into decode_partitions(...) partitions (from shapes only: CUDA-graph safe) and a second
+    kernel merges them; without it one pass per (sequence, KV head), fine for big batches.
+    partition_blocks, lanes_per_key: override the policy (tests and benchmarks); any values >= 1 and 4 or 8
+    are correct."""
+    d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    num_seqs, num_heads = q.shape[:2]
+    num_kv_heads = k_cache.shape[2]
+    max_blocks = max(block_tables.shape[1], 1)
+    lanes = LANES_PER_KEY if lanes_per_key is None else lanes_per_key
+    if lanes not in (4, 8):
+        raise ValueError(f"lanes_per_key must be 4 or 8, got {lanes_per_key!r}")
+    if partition_blocks is None:
+        partition_blocks = max_blocks if workspace is None else \
+            decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, block_size)[1]
+    if int(partition_blocks) != partition_blocks or partition_blocks < 1:
+        raise ValueError(f"partition_blocks must be a positive int, got {partition_blocks!r}")
+    parts = -(-max_blocks // int(partition_blocks))
+    if parts > 1:
+        partials = _carve(workspace, num_seqs, num_heads, parts, d)
+    if num_seqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    warps = fast_warps(d, group, lanes)
+    direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps)
+    grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
+    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+    if parts == 1:
+        direct[grid, warps * WARP, stream](q, k_rows, v_rows, block_tables, context_lens, np.float32(scale), out)
+        return
+    split[grid + (parts,), warps * WARP, stream](q, k_rows, v_rows, block_tables, context_lens,
+                                                 np.float32(scale), int(partition_blocks), *partials)
+    paged_attention_reduce(*partials, context_lens, int(partition_blocks) * block_size, out, stream)
+
+
+def _carve(workspace, num_seqs, num_heads, parts, d):
+    """(partial_out, partial_max, partial_sum) as views of the front of the flat workspace: no allocation."""
+    n = num_seqs * num_heads * parts
+    if workspace is None:
+        raise ValueError(f"{parts} partitions need a workspace (see decode_workspace_size)")
+    if workspace.ndim != 1 or workspace.dtype != np.float32 or workspace.shape[0] < n * (d + 2):
+        raise ValueError(f"workspace: expected at least ({n * (d + 2)},) float32 for {parts} partitions, "
+                         f"got {tuple(workspace.shape)} {workspace.dtype}")
+    return (workspace[:n * d].reshape(num_seqs, num_heads, parts, d),
+            workspace[n * d:n * (d + 1)].reshape(num_seqs, num_heads, parts),
+            workspace[n * (d + 1):n * (d + 2)].reshape(num_seqs, num_heads, parts))
 
 
 def split_workspace_shapes(num_seqs, num_heads, head_dim, max_context_len, partition_size):

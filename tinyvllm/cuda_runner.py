@@ -91,6 +91,9 @@ class CUDARunner:
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
         max_width = min(-(-c.max_position_embeddings // block_size), self.num_blocks)
         self.inputs = StepInputs(t, s, max_width)
+        # split-K decode attention's partials, for every batch up to s sequences and tables up to max_width
+        self.attn_workspace = empty(max(1, paged_attention.decode_workspace_size(
+            s, c.num_heads, c.num_kv_heads, c.head_dim, max_width, block_size)), f32)
         self.stream = cuda.stream()
         # NOTE: the simulator cannot capture graphs; there every step launches eagerly.
         self.use_graphs = not enforce_eager and not SIMULATOR
@@ -167,7 +170,7 @@ class CUDARunner:
             rope.rope_kv_write(qkv, pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots, q, stream)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
-                                                stream)
+                                                stream, workspace=self.attn_workspace)
             else:
                 attention.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
                                             self.scale, attn, max_q_len, stream)

@@ -1,4 +1,5 @@
-"""Attention kernels against reference/: prefill (naive and flash) and decode (PagedAttention v1, split-K).
+"""Attention kernels against reference/: prefill (naive and flash) and decode (PagedAttention v1, split-K, and
+the fast GQA-shared kernel with its own split-K).
 
 Every case writes random K/V through random, non-contiguous block tables into caches whose other slots are
 NaN, so a kernel that reads past a context (even inside the last, partly filled block) returns NaN and
@@ -26,12 +27,13 @@ head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
 block_sizes = st.sampled_from(pick([1, 3, 16], [16, 32, 16, 5]))
 
 
-def decode_contexts():
+def decode_contexts(shortest=1):
+    """Context lengths of a decode batch; shortest=0 lets padding slots (context 0) into the batch."""
     if SIM:  # past 64 keys a warp of the simulator's 2-warp blocks walks a second tile (the rescaling path)
-        return st.lists(st.one_of(st.integers(1, 40), st.integers(60, 140)), min_size=1, max_size=3)
-    few_long = st.lists(st.one_of(st.integers(1, 8192), st.sampled_from([1, 33, 4096, 8191, 8192])),
+        return st.lists(st.one_of(st.integers(shortest, 40), st.integers(60, 140)), min_size=1, max_size=3)
+    few_long = st.lists(st.one_of(st.integers(shortest, 8192), st.sampled_from([1, 33, 4096, 8191, 8192])),
                         min_size=1, max_size=3)
-    many_short = st.lists(st.integers(1, 300), min_size=1, max_size=256)
+    many_short = st.lists(st.integers(shortest, 300), min_size=1, max_size=256)
     return st.one_of(few_long, many_short)
 
 
@@ -124,14 +126,14 @@ def devices(*arrays):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# decode: PagedAttention v1
+# decode: PagedAttention v1 (the teaching version)
 
 
 @settings(max_examples=pick(10, 60))
 @given(seeds, decode_contexts(), heads, head_dims, block_sizes, kinds)
 # always: two KV heads of two query heads each, and a warp that walks several tiles (rescaling its state)
 @example(seed=1, contexts=[300, 3], hg=(2, 2), d=16, block_size=3, kind="normal")
-def test_paged_attention_matches_reference(seed, contexts, hg, d, block_size, kind):
+def test_paged_attention_v1_matches_reference(seed, contexts, hg, d, block_size, kind):
     rng = np.random.default_rng(seed)
     hkv, group = hg
     k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
@@ -139,13 +141,83 @@ def test_paged_attention_matches_reference(seed, contexts, hg, d, block_size, ki
     lens = np.array(contexts, np.int32)
     scale = 1 / np.sqrt(d)
     out = device_empty(q.shape, np.float32)
-    paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out)
+    paged_attention.paged_attention_v1(*devices(q, k_cache, v_cache, tables, lens), scale, out)
     want = ref.paged_attention(q, k_cache, v_cache, tables, lens, scale)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# decode: split-K
+# decode: the fast kernel (paged_attention, the engine's), one pass or split-K through a workspace
+
+# GQA ratios 1, 3, 4 (and 2); groups of 5 and 7 are cut into two blocks of query heads, the last one short.
+fast_heads = st.sampled_from(pick([(1, 1), (1, 3), (1, 4), (2, 2), (1, 5)],
+                                  [(8, 4), (8, 1), (8, 3), (2, 4), (1, 3), (2, 7), (1, 6)]))
+fast_head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
+# "none": no workspace (one pass); "policy": a workspace and decode_partitions' split; n: n KV blocks per
+# partition (the simulator's contexts are shorter than the policy's shortest partition).
+fast_splits = st.sampled_from(pick(["none", "policy", 1, 2, 3], ["none", "policy", "policy", 1, 4, 33]))
+
+
+def decode_reference(q, k_cache, v_cache, tables, lens, scale):
+    """ref.paged_attention, and zeros for the padding slots (context 0)."""
+    want = np.zeros(q.shape, np.float32)
+    live = lens > 0
+    if live.any():
+        want[live] = ref.paged_attention(q[live], k_cache, v_cache, tables[live], lens[live], scale)
+    return want
+
+
+@settings(max_examples=pick(10, 80))
+@given(seeds, decode_contexts(shortest=0), fast_heads, fast_head_dims, st.sampled_from([16, 32]), kinds,
+       st.sampled_from([4, 8]), fast_splits)
+# always: padding, a one-token and a multi-block context in one batch, split into several partitions; a group
+# of 5 query heads (two blocks, the second one short) and a head_dim that is not a multiple of 4 words
+@example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1)
+@example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none")
+def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split):
+    rng = np.random.default_rng(seed)
+    hkv, group = hg
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
+    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
+    lens = np.array(contexts, np.int32)
+    scale = 1 / np.sqrt(d)
+    s, hq = q.shape[:2]
+    workspace, partition_blocks = None, None
+    if split == "policy":
+        size = paged_attention.decode_workspace_size(s, hq, hkv, d, tables.shape[1], block_size)
+    elif split != "none":
+        partition_blocks = split
+        size = s * hq * -(-tables.shape[1] // split) * (d + 2)
+    if split != "none":
+        # NaN-filled: a partition the reduce reads but the kernel did not write would show
+        workspace = to_device(np.full(max(size, 1), np.nan, np.float32))
+    out = device_empty(q.shape, np.float32)
+    paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out, workspace=workspace,
+                                    partition_blocks=partition_blocks, lanes_per_key=lanes)
+    want = decode_reference(q, k_cache, v_cache, tables, lens, scale)
+    assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
+
+
+def test_decode_partitions_depend_on_shapes_only():
+    """The split policy: a partition count from (batch, heads, table width, block size) alone."""
+    # batch 1, Llama-3.2-1B heads, 8192-token tables: partitions of MIN_PARTITION_KEYS keys
+    parts, blocks = paged_attention.decode_partitions(1, 32, 8, 512, 16)
+    assert (parts, blocks * 16) == (8192 // paged_attention.MIN_PARTITION_KEYS, paged_attention.MIN_PARTITION_KEYS)
+    # a big batch fills the GPU without splitting
+    assert paged_attention.decode_partitions(256, 32, 8, 64, 16) == (1, 64)
+    # partitions always cover the table, none is empty of blocks
+    for s, width, bs in [(3, 7, 16), (64, 256, 16), (5, 1, 32), (1, 0, 16)]:
+        parts, blocks = paged_attention.decode_partitions(s, 32, 8, width, bs)
+        assert parts * blocks >= max(width, 1) > (parts - 1) * blocks
+    # the workspace covers every batch up to its size
+    size = paged_attention.decode_workspace_size(16, 32, 8, 64, 512, 16)
+    for s in range(1, 17):
+        parts, _ = paged_attention.decode_partitions(s, 32, 8, 512, 16)
+        assert parts == 1 or s * 32 * parts * 66 <= size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode: the first split-K version (paged_attention_split + paged_attention_reduce)
 
 
 partition_sizes = st.sampled_from(pick([1, 7, 16, 32, 64], [64, 256, 512, 100, 2048]))
@@ -238,18 +310,21 @@ def test_decode_padding_slots_give_zeros():
     lens = np.array([5, 1, 0], np.int32)
     q = rng.standard_normal((3, 2, 8), dtype=np.float32)
     want = ref.paged_attention(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.5)
-    out = device_empty(q.shape, np.float32)
-    paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), 0.5, out)
-    got = out.copy_to_host()
-    assert np.all(got[2] == 0)
-    assert_close(got[:2], want, atol=decode_atol(q[:2], ks, vs, 0.5, 2), rtol=4 * F32_EPS)
     shapes = paged_attention.split_workspace_shapes(3, 2, 8, 5, 4)
     work = [device_empty(shape, np.float32) for shape in shapes]
-    out = device_empty(q.shape, np.float32)
-    paged_attention.paged_attention_split(*devices(q, k_cache, v_cache, tables, lens), 0.5, out, *work, 4)
-    got = out.copy_to_host()
-    assert np.all(got[2] == 0)
-    assert_close(got[:2], want, atol=decode_atol(q[:2], ks, vs, 0.5, 2), rtol=4 * F32_EPS)
+    fast_work = device_empty(3 * 2 * 2 * (8 + 2), np.float32)
+    launchers = [
+        lambda *args: paged_attention.paged_attention_v1(*args),
+        lambda *args: paged_attention.paged_attention_split(*args, *work, 4),
+        lambda *args: paged_attention.paged_attention(*args),
+        lambda *args: paged_attention.paged_attention(*args, workspace=fast_work, partition_blocks=1),
+    ]
+    for launcher in launchers:
+        out = to_device(np.full(q.shape, np.nan, np.float32))
+        launcher(*devices(q, k_cache, v_cache, tables, lens), 0.5, out)
+        got = out.copy_to_host()
+        assert np.all(got[2] == 0)
+        assert_close(got[:2], want, atol=decode_atol(q[:2], ks, vs, 0.5, 2), rtol=4 * F32_EPS)
     assert np.all(work[1].copy_to_host()[2] == -np.inf)
 
 
@@ -365,8 +440,23 @@ def _decode_args(**changes):
     (dict(out=np.zeros((2, 4, 8), np.float32)), "out: expected"),
 ])
 def test_decode_launcher_errors(changes, message):
+    for launcher in (paged_attention.paged_attention, paged_attention.paged_attention_v1):
+        with pytest.raises(ValueError, match=message):
+            launcher(**_decode_args(**changes))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lanes_per_key=3), "lanes_per_key"),
+    (dict(partition_blocks=0), "partition_blocks"),
+    (dict(partition_blocks=1.5), "partition_blocks"),
+    (dict(partition_blocks=1), "need a workspace"),        # 2 partitions of the 2-block table
+    (dict(partition_blocks=1, workspace=np.zeros(2 * 4 * 2 * 18 - 1, np.float32)), "workspace: expected"),
+    (dict(partition_blocks=1, workspace=np.zeros(2 * 4 * 2 * 18, np.float64)), "workspace: expected"),
+])
+def test_fast_decode_launcher_errors(options, message):
+    options = {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in options.items()}
     with pytest.raises(ValueError, match=message):
-        paged_attention.paged_attention(**_decode_args(**changes))
+        paged_attention.paged_attention(**_decode_args(), **options)
 
 
 def test_non_contiguous_cache_is_refused():

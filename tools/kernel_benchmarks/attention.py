@@ -21,16 +21,16 @@ def _random_bf16(rng, shape):
     return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
-def _paged_cache(rng, contexts):
+def _paged_cache(rng, contexts, block=BLOCK):
     """K and V pools holding every context, through a random permutation of the blocks; block tables."""
-    blocks = [-(-c // BLOCK) for c in contexts]
+    blocks = [-(-c // block) for c in contexts]
     perm = rng.permutation(sum(blocks)).astype(np.int32)
     tables = np.full((len(contexts), max(blocks)), -1, np.int32)
     start = 0
     for s, n in enumerate(blocks):
         tables[s, :n] = perm[start:start + n]
         start += n
-    shape = (sum(blocks), BLOCK, HKV, D)
+    shape = (sum(blocks), block, HKV, D)
     return _random_bf16(rng, shape), _random_bf16(rng, shape), tables
 
 
@@ -45,36 +45,55 @@ def _atol(q_per_seq, k_cache, v_cache, tables, contexts):
     return vmax * F32_EPS * (16 * (1 + smag) + 4 * np.sqrt(D) * smag + 8 * np.sqrt(max(contexts)))
 
 
-def _decode_cases(rng, batch, context, partition_size):
+def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_only=False):
+    """v1, split-K (partition_size keys per partition) and the fast kernel (with its workspace and split
+    policy, at 8 and 4 lanes per key) on one batch. bytes_moved is the K/V each must read at least."""
     contexts = [context] * batch
-    k_cache, v_cache, tables = _paged_cache(rng, contexts)
+    k_cache, v_cache, tables = _paged_cache(rng, contexts, block)
     q = rng.standard_normal((batch, HQ, D), dtype=np.float32)
     lens = np.array(contexts, np.int32)
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
     out = cuda.device_array((batch, HQ, D), np.float32)
-    work = [cuda.device_array(shape, np.float32)
-            for shape in paged_attention.split_workspace_shapes(batch, HQ, D, context, partition_size)]
+    workspace = cuda.device_array(
+        max(1, paged_attention.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1], block)), np.float32)
     kv_bytes = 2 * batch * context * HKV * D * 2
+    reference = []   # computed once, by the first check that needs it
 
     def run_v1(stream):
-        paged_attention.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream)
+        paged_attention.paged_attention_v1(dq, dk, dv, dt, dl, SCALE, out, stream)
 
     def run_split(stream):
         paged_attention.paged_attention_split(dq, dk, dv, dt, dl, SCALE, out, *work, partition_size, stream)
+
+    def run_fast(lanes):
+        def run(stream):
+            paged_attention.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, workspace=workspace,
+                                            lanes_per_key=lanes)
+        return run
 
     def check(run):
         def check_one():
             out.copy_to_device(np.full(out.shape, np.nan, np.float32))
             run(0)
-            want = ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE)
+            if not reference:
+                reference.append(ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE))
             atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts)
-            np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+            np.testing.assert_allclose(out.copy_to_host(), reference[0], atol=atol, rtol=4 * F32_EPS)
         return check_one
 
-    shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {BLOCK}"
-    return [Case("attention", f"paged_attention v1 {shape}", run_v1, check(run_v1), bytes_moved=kv_bytes),
-            Case("attention", f"paged_attention_split (partition {partition_size}) + reduce {shape}", run_split,
-                 check(run_split), bytes_moved=kv_bytes)]
+    shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {block}"
+    parts, blocks = paged_attention.decode_partitions(batch, HQ, HKV, tables.shape[1], block)
+    split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
+    cases = [Case("attention", f"paged_attention (fast, {lanes} lanes/key, {split}) {shape}", run_fast(lanes),
+                  check(run_fast(lanes)), bytes_moved=kv_bytes) for lanes in (8, 4)]
+    if fast_only:
+        return cases
+    work = [cuda.device_array(shape, np.float32)
+            for shape in paged_attention.split_workspace_shapes(batch, HQ, D, context, partition_size)]
+    return cases + [
+        Case("attention", f"paged_attention_v1 {shape}", run_v1, check(run_v1), bytes_moved=kv_bytes),
+        Case("attention", f"paged_attention_split (partition {partition_size}) + reduce {shape}", run_split,
+             check(run_split), bytes_moved=kv_bytes)]
 
 
 def _prefill_cases(rng, tokens):
@@ -110,4 +129,5 @@ def _prefill_cases(rng, tokens):
 def cases() -> list[Case]:
     rng = np.random.default_rng(0)
     return (_decode_cases(rng, 64, 4096, 512) + _decode_cases(rng, 1, 8192, 512)
+            + _decode_cases(rng, 256, 1024, 512) + _decode_cases(rng, 64, 4096, block=32, fast_only=True)
             + _prefill_cases(rng, 1024))
