@@ -436,9 +436,11 @@ class HFPeer:
         options = {"progress_bar": False} if quiet else {}
 
         def run(batch, n):
+            # NOTE: not under inference_mode: generate_batch serves from a background thread, where the mode
+            # (thread-local) is off, and transformers 5.17 then fails on the inference tensors this thread made
+            # ("Inplace update to inference tensor outside InferenceMode"); it disables gradients itself.
             config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
-            with self.torch.inference_mode():
-                return list(self.model.generate_batch(batch, generation_config=config, **options).values())
+            return list(self.model.generate_batch(batch, generation_config=config, **options).values())
 
         run(prompts[:8], 16)
         start = time.perf_counter()
@@ -449,6 +451,9 @@ class HFPeer:
         stamped = all(getattr(o, "created_time", -1) > 0 and getattr(o, "lifespan", (-1, -1))[1] > 0 for o in outs)
         elapsed = max(o.lifespan[1] for o in outs) - min(o.created_time for o in outs) if stamped else wall
         output_tokens = sum(len(o.generated_tokens) for o in outs)
+        if output_tokens == 0:
+            raise RuntimeError(f"generate_batch returned no tokens for {len(prompts)} requests (their errors are in "
+                               "transformers' log above)")
         return {"mode": "generate_batch (continuous batching, paged cache)", "requests": len(prompts),
                 "finished_requests": len(outs), "new_tokens_each": new_tokens,
                 "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
