@@ -99,12 +99,14 @@ class GemmTcTile(NamedTuple):
 # there (the kernel tests cover the GPU's configurations too).
 GEMV_CONFIG = GemvConfig()
 GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
-# gemm_tc: the 128 x 128 tile (8 warps of 64 x 32) when it gives at least a wave of blocks, else the 64 x 64
-# one (4 warps of 32 x 32), which keeps more SMs busy on small outputs (M = 256 against N = 2048 is 32 big
-# tiles for 132 SMs). NOTE: the crossover is a first guess from the SM count, to be re-measured on the GPU.
+# gemm_tc: the 128 x 128 tile (8 warps of 64 x 32) when its grid has at least GEMM_TC_BIG_BLOCKS blocks,
+# else the 64 x 64 one (4 warps of 32 x 32), which keeps more SMs busy on small outputs (M = 256 against
+# N = 2048 is 32 big tiles for 132 SMs). NOTE: measured on the H200 (BENCHMARKS.md): with 128 big blocks
+# (down projection, M = 1024) the big tile took 705 us against 957 us, with 32 the small one 404 against
+# 696 us; at 192 (QKV, M = 1024) the small one was 12% faster, so the rule is a compromise, not a law.
 GEMM_TC_TILE = GemmTcTile(16, 16, 16, 16, 8) if SIMULATOR else GemmTcTile()
 GEMM_TC_SMALL_TILE = GemmTcTile(16, 16, 16, 16, 8) if SIMULATOR else GemmTcTile(64, 64, 32, 32, 32)
-GEMM_TC_WAVE = 132  # SMs of the H200
+GEMM_TC_BIG_BLOCKS = 128
 _NAIVE_BLOCK_N = 128
 
 
@@ -571,17 +573,17 @@ def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE):
 
 
 def gemm_tc_tile(m: int, n: int) -> GemmTcTile:
-    """The tile gemm_tc uses by default for an (m, n) output: the big one when its grid fills a wave."""
+    """The tile gemm_tc uses by default for an (m, n) output: the big one when its grid is big enough."""
     big = GEMM_TC_TILE
     blocks = ((n + big.bn - 1) // big.bn) * ((m + big.bm - 1) // big.bm)
-    return big if blocks >= GEMM_TC_WAVE else GEMM_TC_SMALL_TILE
+    return big if blocks >= GEMM_TC_BIG_BLOCKS else GEMM_TC_SMALL_TILE
 
 
 def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None):
     """out = x @ W^T for large M (prefill, big decode batches) on tensor cores (bf16x3 split), any M, N, K.
 
-    tile: the block and warp tiles; by default GEMM_TC_TILE when its grid fills a wave of SMs, else
-    GEMM_TC_SMALL_TILE. The weight is read 4 bf16 per load through its uint64 view when K % 4 == 0 (and it
+    tile: the block and warp tiles; by default GEMM_TC_TILE when its grid has GEMM_TC_BIG_BLOCKS blocks or
+    more, else GEMM_TC_SMALL_TILE. The weight is read 4 bf16 per load through its uint64 view when K % 4 == 0 (and it
     is C-contiguous), one bf16 per load otherwise.
     """
     M, N, K = _check_args(x, weight, out)
