@@ -130,3 +130,16 @@ def test_weight_bytes_of_llama_3_2_1b(bench):
     assert bench.weight_bytes_per_token(config) == 2_471_628_800
     untied = ModelConfig.from_dict({"model_type": "llama", **LLAMA_3_2_1B, "tie_word_embeddings": False})
     assert bench.weight_bytes_per_token(untied) == 2_471_628_800  # an LM head read, an embedding row gathered
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_warm_up_reaches_every_decode_batch_size(bench, tiny_model_dir, num_seqs):
+    from tinyvllm import LLM
+
+    llm = LLM(tiny_model_dir, backend="cpu", max_num_seqs=num_seqs, enable_prefix_caching=False)
+    sizes = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda scheduled: sizes.append(
+        len(scheduled) if all(item.num_new_tokens == 1 for item in scheduled) else 0) or execute(scheduled)
+    bench.warm_up(llm, np.random.default_rng(0), num_seqs, 40, 200)
+    assert set(range(1, num_seqs + 1)) <= set(sizes)  # 0 marks a step with a prefill in it

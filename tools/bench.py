@@ -209,7 +209,7 @@ def warm_up(llm, rng: np.random.Generator, num_seqs: int, max_context: int, high
 
     The CUDA engine captures a decode step as a CUDA graph the first time its (batch size, context length)
     bucket occurs. So for each context-length octave from max_context down, a "pacer" request whose context
-    ends near that length runs beside num_seqs - 1 short ones with output lengths 1, 2, ...: the decode
+    ends near that length runs beside num_seqs - 1 short ones with output lengths 2, 3, ...: the decode
     batch shrinks through every size from num_seqs to 1 while the pacer sets the context length.
     """
     start = time.perf_counter()
@@ -217,7 +217,8 @@ def warm_up(llm, rng: np.random.Generator, num_seqs: int, max_context: int, high
     while True:
         prompts = [random_prompt(rng, max(context - num_seqs, 1), high)]
         prompts += [random_prompt(rng, int(n), high) for n in rng.integers(8, 65, num_seqs - 1)]
-        llm.generate(prompts, [greedy(num_seqs)] + [greedy(i + 1) for i in range(num_seqs - 1)], use_tqdm=False)
+        # after the prefill, num_seqs decode steps: all of them, then one fewer each step, the pacer last alone
+        llm.generate(prompts, [greedy(num_seqs + 1)] + [greedy(i + 2) for i in range(num_seqs - 1)], use_tqdm=False)
         if context <= 64:
             return time.perf_counter() - start
         context //= 2
