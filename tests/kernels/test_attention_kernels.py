@@ -121,6 +121,16 @@ def decode_atol(q, ks, vs, scale, group):
     return attention_atol([q[s:s + 1] for s in range(len(q))], ks, vs, scale, group)
 
 
+def decode_case(seed, contexts, hg, d, block_size, kind):
+    """One decode batch: queries (S, Hkv * G, d), the paged cache, block tables, context lengths, and the
+    bf16-rounded K and V per sequence (for tolerances). hg = (Hkv, G)."""
+    rng = np.random.default_rng(seed)
+    hkv, group = hg
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
+    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
+    return q, k_cache, v_cache, tables, np.array(contexts, np.int32), ks, vs
+
+
 def devices(*arrays):
     return [to_device(a) for a in arrays]
 
@@ -134,11 +144,8 @@ def devices(*arrays):
 # always: two KV heads of two query heads each, and a warp that walks several tiles (rescaling its state)
 @example(seed=1, contexts=[300, 3], hg=(2, 2), d=16, block_size=3, kind="normal")
 def test_paged_attention_v1_matches_reference(seed, contexts, hg, d, block_size, kind):
-    rng = np.random.default_rng(seed)
-    hkv, group = hg
-    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
-    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
-    lens = np.array(contexts, np.int32)
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
+    group = hg[1]
     scale = 1 / np.sqrt(d)
     out = device_empty(q.shape, np.float32)
     paged_attention.paged_attention_v1(*devices(q, k_cache, v_cache, tables, lens), scale, out)
@@ -175,11 +182,8 @@ def decode_reference(q, k_cache, v_cache, tables, lens, scale):
 @example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1)
 @example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none")
 def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split):
-    rng = np.random.default_rng(seed)
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
     hkv, group = hg
-    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
-    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
-    lens = np.array(contexts, np.int32)
     scale = 1 / np.sqrt(d)
     s, hq = q.shape[:2]
     workspace, partition_blocks = None, None
@@ -231,11 +235,8 @@ def test_paged_attention_split_partials_and_output(seed, contexts, hg, d, block_
                                                    extra_partitions, kind):
     if SIM:  # the simulator pays per block: at most six partitions per (sequence, head)
         partition_size = max(partition_size, -(-max(contexts) // 6))
-    rng = np.random.default_rng(seed)
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
     hkv, group = hg
-    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
-    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
-    lens = np.array(contexts, np.int32)
     scale = 1 / np.sqrt(d)
     # A workspace sized for a longer maximum context than this batch has: trailing partitions are empty.
     shapes = paged_attention.split_workspace_shapes(len(contexts), hkv * group, d,
@@ -290,11 +291,8 @@ def test_paged_attention_reduce_merges_reference_partials(seed, contexts, hg, d,
        st.sampled_from([1, 3, 16]), st.integers(1, 80), kinds)
 def test_reference_split_k_equals_paged_attention(seed, contexts, hg, d, block_size, partition_size, kind):
     """The NumPy twins of the split-K kernels, against the math reference (NumPy only, no kernel)."""
-    rng = np.random.default_rng(seed)
-    hkv, group = hg
-    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
-    q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
-    lens = np.array(contexts, np.int32)
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
+    group = hg[1]
     partials = ref.paged_attention_partitioned(q, k_cache, v_cache, tables, lens, 0.3, partition_size)
     assert partials[0].shape[2] == -(-max(contexts) // partition_size)
     got = ref.paged_attention_reduce(*partials, lens, partition_size)
