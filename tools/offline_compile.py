@@ -1,0 +1,182 @@
+"""Compile every kernel the CUDA runner launches for an H200 (sm_90) and assemble it with ptxas, without a GPU.
+
+    python3 tools/offline_compile.py [--cuda-home /usr/local/cuda] [--block-size 16]
+
+GPU time is scarce and CI has no GPU, while the simulator never compiles a kernel: a kernel that types in
+the simulator can still fail to compile for the device (a libdevice function that does not exist, an
+intrinsic with a wrong signature), or compile into register spills. This tool finds those on any machine
+that has the CUDA toolkit's compiler parts (NVVM with libdevice, and ptxas): it builds a one-layer
+Llama-3.2-1B-shaped CUDA runner on fake device arrays and runs a sampled prefill step and greedy decode
+steps at batch 1 and 8 with every launch intercepted. Each kernel is compiled by Numba to PTX for compute
+capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
+registers, spills and shared memory per kernel is printed. Nothing executes, so nothing is checked for
+correctness: that is what the GPU test profile is for.
+
+NOTE: this reaches into numba-cuda internals (tested with 0.30.4): the device query, the list of supported
+compute capabilities, the libdevice location, the launch path and stream conversion are replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba.cuda)
+from numba import cuda, typeof  # noqa: E402
+
+CC = (9, 0)
+OPTIONS = ("launch_bounds", "fastmath", "max_registers", "lineinfo", "debug", "opt")
+
+
+class FakeDeviceArray:
+    """What the launchers and the runner use of a device array, over a host array that is never read."""
+
+    def __init__(self, array: np.ndarray):
+        self.host = array
+
+    shape = property(lambda self: self.host.shape)
+    dtype = property(lambda self: self.host.dtype)
+    size = property(lambda self: self.host.size)
+    ndim = property(lambda self: self.host.ndim)
+    strides = property(lambda self: self.host.strides)
+
+    def copy_to_host(self, out=None, stream=0):
+        return self.host.copy() if out is None else out
+
+    def copy_to_device(self, array, stream=0):
+        pass
+
+    def is_c_contiguous(self):
+        return self.host.flags.c_contiguous
+
+    def view(self, dtype):
+        return FakeDeviceArray(self.host.view(dtype))
+
+    def reshape(self, *shape):
+        return FakeDeviceArray(self.host.reshape(*shape))
+
+    def __getitem__(self, key):
+        return FakeDeviceArray(self.host[key])
+
+    def __len__(self):
+        return len(self.host)
+
+
+class FakeStream:
+    handle = 0
+
+    def synchronize(self):
+        pass
+
+
+def install(cuda_home: Path, report: list) -> None:
+    """Point Numba at cuda_home's libdevice for cc 9.0 and turn launches into compile + ptxas."""
+    import numba.cuda.cudadrv.driver as driver
+    import numba.cuda.cudadrv.nvrtc as nvrtc
+    import numba.cuda.cudadrv.nvvm as nvvm
+    import numba.cuda.dispatcher as dispatcher
+
+    libdevice = cuda_home / "nvvm" / "libdevice" / "libdevice.10.bc"
+    ptxas = cuda_home / "bin" / "ptxas"
+    for path in (libdevice, ptxas):
+        if not path.exists():
+            raise SystemExit(f"offline_compile: {path} not found (--cuda-home must hold NVVM's libdevice and ptxas)")
+
+    class Device:
+        compute_capability = CC
+
+    dispatcher.get_current_device = lambda: Device()
+    nvrtc.get_supported_ccs = lambda: ((7, 5), (8, 0), CC)
+    nvvm.get_libdevice = lambda: str(libdevice)
+    nvvm.open_libdevice = lambda: libdevice.read_bytes()
+    driver._to_core_stream = dispatcher._to_core_stream = lambda stream: stream
+
+    def launch(config, *args):
+        kernel = config.dispatcher
+        signature = tuple(typeof(a.host if isinstance(a, FakeDeviceArray) else a) for a in args)
+        options = {k: v for k, v in kernel.targetoptions.items() if k in OPTIONS}
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC, **options)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.ptx").write_text(ptx)
+            done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                  capture_output=True, text=True)
+        report.append((kernel.py_func.__name__, tuple(config.griddim), tuple(config.blockdim), done))
+
+    dispatcher._LaunchConfiguration.__call__ = launch
+    cuda.to_device = lambda array, *a, **k: FakeDeviceArray(np.asarray(array))
+    cuda.device_array = lambda shape, dtype=np.float64, *a, **k: FakeDeviceArray(np.zeros(shape, dtype))
+    cuda.pinned_array = lambda shape, dtype=np.float64, *a, **k: np.zeros(shape, dtype)
+    cuda.stream = lambda *a, **k: FakeStream()
+
+
+def one_layer_weights(config) -> dict[str, np.ndarray]:
+    """Zero bf16 weights with the shapes of one layer of `config` (contents do not matter: nothing runs)."""
+    from tinyvllm.weights import expected_shapes
+
+    return {name: np.zeros(shape, np.uint16) for name, shape in expected_shapes(config).items()}
+
+
+def run_steps(block_size: int) -> None:
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.cuda_runner import CUDARunner
+    from tinyvllm.random_model import PRESETS
+    from tinyvllm.sampling_params import SamplingParams
+    from tinyvllm.scheduler import ScheduledSequence
+    from tinyvllm.sequence import Sequence
+
+    config = ModelConfig.from_dict({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 1,
+                                    "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    runner = CUDARunner(config, one_layer_weights(config), block_size, 256, 8192, num_blocks=4096,
+                        enforce_eager=True)
+
+    def scheduled(length, new_tokens, temperature):
+        seq = Sequence("x", list(range(length)), SamplingParams(temperature=temperature, top_k=5), 0)
+        seq.block_table = list(range(-(-(length + 1) // block_size)))
+        seq.num_computed_tokens = length - new_tokens
+        return ScheduledSequence(seq, new_tokens)
+
+    runner.execute([scheduled(100, 100, 0.7), scheduled(30, 30, 0.0)])      # prefill, sampled
+    for batch in (1, 8):                                                     # decode, greedy, split-K
+        runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cuda-home", type=Path, default=Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")))
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    report: list = []
+    install(args.cuda_home, report)
+    run_steps(args.block_size)
+    print(f"| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    failed, seen = 0, set()
+    for name, grid, block, done in report:
+        if done.returncode:
+            failed += 1
+            print(f"| {name} | {grid} | {block} | ptxas FAILED: {done.stderr.strip()[-300:]} | | |")
+            continue
+        info = done.stderr
+        registers = re.search(r"Used (\d+) registers", info)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        smem = re.search(r"(\d+) bytes smem", info)
+        row = (name, registers and registers[1], spills and f"{spills[1]} / {spills[2]}", smem[1] if smem else "0")
+        if row not in seen:  # the same compiled kernel at other grids adds nothing
+            seen.add(row)
+            print(f"| {name} | {grid} | {block} | {row[1]} | {row[2]} | {row[3]} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
