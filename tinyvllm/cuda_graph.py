@@ -34,7 +34,7 @@ def _ok(result):
     return values[0] if len(values) == 1 else values
 
 
-def stream_handle(stream):
+def _stream_handle(stream):
     """The driver's CUstream for a Numba stream."""
     handle = stream.handle
     return _driver().CUstream(int(handle.value if hasattr(handle, "value") else handle))
@@ -46,7 +46,7 @@ class CUDAGraph:
     def __init__(self, record: Callable[[object], None], stream):
         drv = _driver()
         self.stream = stream
-        self._handle = stream_handle(stream)
+        self._handle = _stream_handle(stream)
         with cuda.defer_cleanup():
             _ok(drv.cuStreamBeginCapture(self._handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
             try:

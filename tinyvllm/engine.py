@@ -97,7 +97,6 @@ class LLMEngine:
         self._streams: dict[int, TextStream] = {}
         self._prompts: dict[int, str | None] = {}
         self._by_request: dict[str, Sequence] = {}
-        self._final_only: set[int] = set()
         self.num_generated_tokens = 0           # over the engine's life: progress bars read it
         self._ids = itertools.count()
         self._seeds = random.Random(options.seed)
@@ -153,8 +152,6 @@ class LLMEngine:
         self._by_request[request_id] = seq
         self._prompts[seq.seq_id] = text
         self._streams[seq.seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
-        if final_only:
-            self._final_only.add(seq.seq_id)
         self.scheduler.add(seq)
         return request_id
 
@@ -197,7 +194,7 @@ class LLMEngine:
             if reason is not None:
                 new_text += stream.finish()
                 self.scheduler.finish(seq, reason)
-            elif seq.seq_id in self._final_only:
+            elif stream.final_only:
                 continue
             outputs.append(self._output(seq, new_text))
             if reason is not None:
@@ -227,7 +224,6 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self._streams.pop(seq.seq_id, None)
-        self._final_only.discard(seq.seq_id)
         self._prompts.pop(seq.seq_id, None)
         self._by_request.pop(seq.request_id, None)
 

@@ -16,6 +16,7 @@ class TextStream:
                  final_only: bool = False):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._stop = list(stop)
+        self.final_only = final_only  # the engine reports the request once, when it finishes
         # NOTE: when only the final text is wanted and no stop string has to be watched, the ids are
         # decoded once at the end instead of once per token: that is most of an engine step's host time
         # at large batch sizes.
