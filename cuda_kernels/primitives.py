@@ -113,6 +113,13 @@ def f32_to_bf16(x):
 
 
 @cuda.jit(device=True)
+def round_bf16(x):
+    """fp32 -> the nearest bf16 (ties to even), as an fp32 value: what a bf16 store then load gives back.
+    The matmuls' bf16-input mode (matmul_precision "bf16") rounds x with it, as reference/bf16.round_to_bf16."""
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+@cuda.jit(device=True)
 def block_sum(value, scratch):
     """Sum of `value` over the whole block, returned to every thread. scratch: shared float32[32]."""
     tid = cuda.threadIdx.x
