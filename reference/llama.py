@@ -13,7 +13,9 @@ Per layer, for the T new tokens of the batch (x: the fp32 residual stream, (T, H
 
 and logits = rmsnorm(x) @ Wlm^T for the rows in `logits_indices` only (the last token of each sequence).
 Weights are widened from bf16 to fp32 once, at construction, and fused (QKV, gate/up) so each projection is
-a single NumPy matmul for the whole batch.
+a single NumPy matmul for the whole batch. With matmul_precision "bf16" the input of every projection (the
+five matmuls above, the LM head included) is rounded to bf16 first, as the GPU's bf16-input kernels do
+(reference/matmul.py); everything else stays fp32.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from reference.activation import silu_and_mul
-from reference.bf16 import bf16_to_f32
+from reference.bf16 import bf16_to_f32, round_to_bf16
 from reference.embedding import embedding
 from reference.kv_cache import allocate_kv_cache
 from reference.paged_attention import prefill_attention
 from reference.rmsnorm import rmsnorm
 from reference.rope import rope_kv_write, rope_tables
+
+
+# "fp32": matmul inputs as they are; "bf16": rounded to bf16 first (reference/matmul.py)
+MATMUL_PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
@@ -64,8 +70,11 @@ class PagedKVCache:
 class ReferenceLlama:
     """The Llama forward in NumPy, from a ModelConfig and the bf16 weights of tinyvllm.weights.load_weights."""
 
-    def __init__(self, config, weights: dict[str, np.ndarray]):
+    def __init__(self, config, weights: dict[str, np.ndarray], matmul_precision: str = "fp32"):
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
         self.config = config
+        self.bf16_inputs = matmul_precision == "bf16"
         f32 = bf16_to_f32
         self.embed_tokens = weights["model.embed_tokens.weight"]  # stays bf16: only T rows are looked up
         self.layers = []
@@ -96,15 +105,19 @@ class ReferenceLlama:
         x = embedding(batch.token_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer["input_norm"], c.rms_norm_eps)
-            q = rope_kv_write(h @ layer["qkv"].T, batch.positions, self.cos, self.sin, kv.k[i], kv.v[i],
+            q = rope_kv_write(self._linear(h, layer["qkv"]), batch.positions, self.cos, self.sin, kv.k[i], kv.v[i],
                               batch.slot_mapping, c.num_heads)
             attn = prefill_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.cu_seqlens_q,
                                      batch.context_lens, self.scale)
-            x = x + attn.reshape(t, c.q_size) @ layer["o"].T
+            x = x + self._linear(attn.reshape(t, c.q_size), layer["o"])
             h = rmsnorm(x, layer["post_norm"], c.rms_norm_eps)
-            x = x + silu_and_mul(h @ layer["gate_up"].T) @ layer["down"].T
+            x = x + self._linear(silu_and_mul(self._linear(h, layer["gate_up"])), layer["down"])
         last = rmsnorm(x[batch.logits_indices], self.norm, c.rms_norm_eps)
-        return last @ self.lm_head.T
+        return self._linear(last, self.lm_head)
+
+    def _linear(self, x: np.ndarray, weight_f32: np.ndarray) -> np.ndarray:
+        """x @ W^T with W already widened; x rounded to bf16 first in the bf16 matmul precision."""
+        return (round_to_bf16(x) if self.bf16_inputs else x) @ weight_f32.T
 
 
 def single_sequence_batch(token_ids, start: int, block_table: np.ndarray, block_size: int) -> ForwardBatch:

@@ -2,13 +2,19 @@
 
 x (M, K) float32, W (N, K) uint16 bf16 -> (M, N) float32, accumulated in fp32. Fused projections (Q, K and V
 as one weight; gate and up as one) are the same operation on row-concatenated weights.
+
+Two input precisions (the engine's ``matmul_precision``): "fp32" multiplies x as it is; "bf16"
+(``bf16_inputs=True``, what vLLM and HF transformers do) first rounds every x to the nearest bf16, so that
+tensor cores can take x in one bf16 piece. Either way a product of x and a bf16 weight is exact in fp32, so
+the kernels differ from this only in the order of the fp32 sums.
 """
 
 import numpy as np
 
-from reference.bf16 import bf16_to_f32
+from reference.bf16 import bf16_to_f32, round_to_bf16
 
 
-def matmul(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x (M, K) float32 @ bf16 weight (N, K) transposed -> (M, N) float32."""
-    return np.asarray(x, dtype=np.float32) @ bf16_to_f32(weight).T
+def matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:
+    """x (M, K) float32 @ bf16 weight (N, K) transposed -> (M, N) float32; x rounded to bf16 first if asked."""
+    x = np.asarray(x, dtype=np.float32)
+    return (round_to_bf16(x) if bf16_inputs else x) @ bf16_to_f32(weight).T

@@ -129,3 +129,14 @@ def test_invalid_requests(tiny_model_dir):
     # a request that reaches the end of the cache-limited context stops with "length"
     out = llm.generate([[1] * 20], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_bf16_matmul_precision_batches_like_alone_and_is_validated(tiny_model_dir, prompts):
+    """The bf16-input numerics keep the engine's invariant: batching changes only summation order, so the
+    same greedy tokens come out alone and batched (test_reference_llama checks that the numbers change)."""
+    llm = LLM(tiny_model_dir, backend="cpu", block_size=4, matmul_precision="bf16")
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
+    assert llm.engine.runner.model.bf16_inputs
+    with pytest.raises(ValueError, match="matmul_precision must be one of"):
+        LLM(tiny_model_dir, backend="cpu", matmul_precision="tf32")

@@ -101,3 +101,25 @@ def test_logits_are_varied_and_finite(model):
     logits = full_logits(model, [1, 2, 3, 4, 5])
     assert np.all(np.isfinite(logits))
     assert logits.std() > 0.1 and len(set(np.argmax(logits, -1).tolist())) > 1
+
+
+def test_bf16_matmul_precision_rounds_every_projection_input(tiny_model_dir):
+    """matmul_precision "bf16" changes the logits by about bf16's relative precision, no more, and rounds
+    every projection's input: with every weight but one row of the embedding zero, nothing differs."""
+    config = ModelConfig.from_dir(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, config)
+    fp32 = ReferenceLlama(config, weights)
+    bf16 = ReferenceLlama(config, weights, matmul_precision="bf16")
+    tokens = list(range(1, 12))
+    table = np.arange(4, dtype=np.int32)
+    a = fp32.forward(single_sequence_batch(tokens, 0, table, BLOCK), fp32.new_kv_cache(4, BLOCK))
+    b = bf16.forward(single_sequence_batch(tokens, 0, table, BLOCK), bf16.new_kv_cache(4, BLOCK))
+    assert not np.array_equal(a, b)
+    scale = np.abs(a).max()
+    np.testing.assert_allclose(b, a, atol=0.05 * scale)
+    # the LM head alone: its input is rounded, so the logits are the rounded input times the head
+    x = np.random.default_rng(0).standard_normal((3, config.hidden_size)).astype(np.float32)
+    from reference.bf16 import round_to_bf16
+    np.testing.assert_array_equal(bf16._linear(x, bf16.lm_head), round_to_bf16(x) @ bf16.lm_head.T)
+    with pytest.raises(ValueError, match="matmul_precision must be one of"):
+        ReferenceLlama(config, weights, matmul_precision="fp16")

@@ -94,6 +94,18 @@ def test_matmul_matches_float64(seed, m, k, n):
     close(matmul(x, w), expected, rtol=1e-5, atol=1e-5)
 
 
+@given(seeds, st.integers(1, 6), st.integers(1, 40), st.integers(1, 40))
+def test_bf16_input_matmul_rounds_x_first(seed, m, k, n):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32))
+    expected = round_to_bf16(x).astype(np.float64) @ bf16_to_f32(w).astype(np.float64).T
+    close(matmul(x, w, bf16_inputs=True), expected, rtol=1e-5, atol=1e-5)
+    # an x that is already bf16 is unchanged by the rounding: both precisions agree exactly
+    exact = round_to_bf16(x)
+    np.testing.assert_array_equal(matmul(exact, w, bf16_inputs=True), matmul(exact, w))
+
+
 # --- RoPE ---------------------------------------------------------------------------------------------
 
 LLAMA3 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)

@@ -39,6 +39,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="most sequences in one batch (default 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA backend: launch every kernel from Python instead of replaying CUDA graphs (debugging)")
+    p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 (default): matmul inputs exact; bf16: rounded to bf16 first, as vLLM does (faster "
+                        "tensor-core GEMMs)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy, the default, so answers are reproducible")
@@ -116,7 +119,8 @@ def _load(args):
         raise UserFacingError(f"--model {args.model}: not a directory")
     try:
         return LLM(args.model, backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
-                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager)
+                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                   matmul_precision=args.matmul_precision)
     except ValueError as exc:  # engine options, config, weights and tokenizer errors all name the problem
         raise UserFacingError(str(exc)) from None
 

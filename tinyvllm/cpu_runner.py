@@ -16,11 +16,12 @@ DEFAULT_CPU_KV_TOKENS = 16384
 class CPURunner:
     name = "cpu"
 
-    def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, num_blocks: int | None = None):
+    def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, num_blocks: int | None = None,
+                 matmul_precision: str = "fp32"):
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks or -(-DEFAULT_CPU_KV_TOKENS // block_size)
-        self.model = ReferenceLlama(config, weights)
+        self.model = ReferenceLlama(config, weights, matmul_precision)
         self.kv = self.model.new_kv_cache(self.num_blocks, block_size)
 
     def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:

@@ -47,8 +47,10 @@ class CUDARunner:
 
     def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, matmul_precision: str = "fp32"):
         c = self.config = config
+        if matmul_precision != "fp32":
+            raise NotImplementedError("the CUDA runner's bf16 matmul precision lands with its kernels")
         self.block_size = block_size
         self.max_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reference.llama import MATMUL_PRECISIONS
 from tinyvllm.block_manager import BlockManager
 from tinyvllm.config import ModelConfig
 from tinyvllm.scheduler import Scheduler
@@ -72,12 +73,15 @@ class EngineOptions:
     scheduler: str = "continuous"             # continuous | static
     seed: int = 0                             # draws the seeds of requests that do not set one
     enforce_eager: bool = False               # CUDA backend: no CUDA graphs, every kernel launched from Python
+    matmul_precision: str = "fp32"            # fp32 | bf16: inputs of the matmuls rounded to bf16 (vLLM's numerics)
 
     def __post_init__(self):
         if self.backend not in ("auto", "cpu", "cuda"):
             raise ValueError(f"backend must be 'auto', 'cpu' or 'cuda', got {self.backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
