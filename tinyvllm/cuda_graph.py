@@ -19,42 +19,24 @@ from typing import Callable
 
 from numba import cuda
 
-
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _ok(result):
-    """cuda.bindings calls return (error, *values): raise on an error, return the values."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return values[0] if len(values) == 1 else values
-
-
-def _stream_handle(stream):
-    """The driver's CUstream for a Numba stream."""
-    handle = stream.handle
-    return _driver().CUstream(int(handle.value if hasattr(handle, "value") else handle))
+from tinyvllm.cuda_driver import driver, ok, stream_handle
 
 
 class CUDAGraph:
     """The launches `record(stream)` makes on `stream`, captured once and replayable on that stream."""
 
     def __init__(self, record: Callable[[object], None], stream):
-        drv = _driver()
+        drv = driver()
         self.stream = stream
-        self._handle = _stream_handle(stream)
+        self._handle = stream_handle(stream)
         with cuda.defer_cleanup():
-            _ok(drv.cuStreamBeginCapture(self._handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+            ok(drv.cuStreamBeginCapture(self._handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
             try:
                 record(stream)
             finally:
-                self._graph = _ok(drv.cuStreamEndCapture(self._handle))
-        self._exec = _ok(drv.cuGraphInstantiate(self._graph, 0))
+                self._graph = ok(drv.cuStreamEndCapture(self._handle))
+        self._exec = ok(drv.cuGraphInstantiate(self._graph, 0))
 
     def replay(self) -> None:
         """Enqueue the recorded launches on the stream (asynchronous, like the launches themselves)."""
-        _ok(_driver().cuGraphLaunch(self._exec, self._handle))
+        ok(driver().cuGraphLaunch(self._exec, self._handle))
