@@ -90,8 +90,10 @@ def test_no_peer_says_so(bench, tmp_path):
     sizes = bench.Sizes(latency_prompt=8, latency_new=4, runs=1, prefill_prompt=16, prompt_lens=(4, 8),
                         sweep_prompt=8)
     cfg = bench.BenchConfig(workloads=["latency"], sizes=sizes, preset="tiny", model_dir=tmp_path / "m",
-                            backend="cpu", max_num_seqs=2, peer=False, command="python3 tools/bench.py latency")
+                            backend="cpu", max_num_seqs=2, peer=False, matmul_precision="bf16",
+                            command="python3 tools/bench.py latency")
     r = bench.run_bench(cfg)
+    assert r["config"]["matmul_precision"] == "bf16" and "(matmul precision bf16)" in bench.markdown(r)
     assert r["peer"] == {"skipped": "HF transformers peer not measured: --no-peer"}
     assert r["tinyvllm"]["latency"]["new_tokens"] == 4 and "throughput" not in r["tinyvllm"]
     assert "peer not measured: --no-peer." in bench.markdown(r)

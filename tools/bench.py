@@ -126,6 +126,7 @@ class BenchConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.5
+    matmul_precision: str = "fp32"       # tinyvllm's matmul inputs: fp32 (exact) or bf16 (as the peer's)
     bandwidth_gbs: float = 4250.0
     peer: bool = True
     peer_requests: int = 64
@@ -187,7 +188,8 @@ class TinyEngine:
 
         self.llm = LLM(model_dir, backend=cfg.backend, scheduler=scheduler, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=cfg.max_num_batched_tokens,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False)
+                       gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
+                       matmul_precision=cfg.matmul_precision)
         self.backend = self.llm.engine.runner.name
 
     def close(self) -> str:
@@ -620,7 +622,8 @@ def markdown(results: dict) -> str:
     s, v, model = cfg["sizes"], results["versions"], results["model"]
     what = f"random {model['preset']} model (seed {model['seed']})" if model["made"] else f"model {model['dir']}"
     lines = [
-        f"{what}, bf16, greedy, ignore_eos; tinyvllm {ours.get('backend', '?')} backend on "
+        f"{what}, bf16, greedy, ignore_eos; tinyvllm {ours.get('backend', '?')} backend "
+        f"(matmul precision {cfg.get('matmul_precision', 'fp32')}) on "
         f"{results.get('device', '?')}; {results['date'][:10]}; tinyvllm {v['tinyvllm']} "
         f"(commit {v['git_commit']}), numba {v['numba']}, numba-cuda {v['numba-cuda']}, numpy {v['numpy']}.",
         f"Command: `{results['command']}`",
@@ -739,6 +742,8 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="of the card, per tinyvllm engine (default 0.5: the peer shares the GPU later in the run)")
+    p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="tinyvllm's matmul inputs: fp32 (default, exact) or rounded to bf16 (as vLLM and HF do)")
     p.add_argument("--bandwidth-gbs", type=float, default=4250.0,
                    help="the device's measured copy bandwidth, for the roofline (default 4250: an H200)")
     p.add_argument("--no-peer", action="store_true", help="skip HF transformers")
@@ -765,6 +770,7 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
                        schedulers=list(SCHEDULERS) if a.scheduler == "both" else [a.scheduler],
                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                        gpu_memory_utilization=a.gpu_memory_utilization, bandwidth_gbs=a.bandwidth_gbs,
+                       matmul_precision=a.matmul_precision,
                        peer=not a.no_peer, peer_requests=a.peer_requests, sweep=a.sweep, seed=a.seed,
                        command=shlex.join(["python3", "tools/bench.py", *argv])), a
 
