@@ -1,0 +1,154 @@
+"""Where the GPU time of one decode step goes, kernel by kernel, on the CUDA engine (needs a GPU).
+
+    python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision fp32] [--json out.json]
+
+For each batch size: a Llama-3.2-1B-shaped random model (or --model) serves `batch` requests with a
+`context`-token prompt until they decode; then the decode step the engine replays is captured again with a
+CUDA event recorded after every kernel (Numba's launch is wrapped to do that), and that graph is replayed.
+The time between consecutive events is one kernel's GPU time inside the real step (its real buffers, its
+place in the stream, weights not left in L2 by a repeat of the same launch). The table sums the kernels by
+name and launch shape over the layers, and compares the sum with the plain graph's time: the difference is
+what the events themselves and the gaps between kernels cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba.cuda)
+from numba import cuda  # noqa: E402
+from numba.cuda import dispatcher  # noqa: E402
+
+REPLAYS = 20
+
+
+def timed_launches(record, stream, events):
+    """Run record() with one of `events` recorded on `stream` after each kernel launch (every launch of the
+    step goes to that stream); returns [(label, event)]. The events are made beforehand, outside the capture."""
+    marks = []
+    launch = dispatcher._LaunchConfiguration.__call__
+
+    def launch_and_mark(config, *args):
+        launch(config, *args)
+        event = events[len(marks)]
+        event.record(stream)
+        marks.append((f"{config.dispatcher.py_func.__name__} grid {tuple(config.griddim)}", event))
+
+    dispatcher._LaunchConfiguration.__call__ = launch_and_mark
+    try:
+        record()
+    finally:
+        dispatcher._LaunchConfiguration.__call__ = launch
+    return marks
+
+
+def graph_time(graph, stream) -> float:
+    """Mean GPU seconds of one replay."""
+    start, stop = cuda.event(), cuda.event()
+    graph.replay()
+    start.record(stream)
+    for _ in range(REPLAYS):
+        graph.replay()
+    stop.record(stream)
+    stop.synchronize()
+    return cuda.event_elapsed_time(start, stop) / 1e3 / REPLAYS
+
+
+def profile(model_dir: Path, batch: int, context: int, precision: str) -> dict:
+    from tinyvllm.cuda_graph import CUDAGraph
+    from tinyvllm.engine import LLMEngine
+    from tinyvllm.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_options(model_dir, backend="cuda", max_num_seqs=batch,
+                                    num_kv_blocks=max(256, batch * (-(-(context + 64) // 16))),
+                                    matmul_precision=precision, enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, 10000, context).tolist(),
+                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), final_only=True)
+    for _ in range(8):  # prefill, then decode steps (the first captures the graph)
+        engine.step()
+    runner = engine.runner
+    key = next(k for k in runner.graphs if k[0] >= batch)
+    plain = runner.graphs[key]
+    b, w, greedy = key
+    from tinyvllm.step_inputs import StepShape
+
+    shape = StepShape(b, b, b, w)
+    # the device inputs still hold the last decode step: replaying it again recomputes the same step
+    forward = partial(runner._forward, runner.inputs.views(shape), shape, 1, greedy)
+    marks = []
+    stream = runner.stream
+    start, events = cuda.event(), [cuda.event() for _ in range(64 * runner.config.num_layers)]
+
+    def record(s):
+        start.record(s)
+        marks[:] = timed_launches(partial(forward, s), s, events)
+
+    marked = CUDAGraph(record, stream)
+    marked.replay()
+    stream.synchronize()
+    times, previous = defaultdict(lambda: [0.0, 0]), start
+    for label, event in marks:
+        entry = times[label]
+        entry[0] += cuda.event_elapsed_time(previous, event) / 1e3
+        entry[1] += 1
+        previous = event
+    total = sum(t for t, _ in times.values())
+    result = {"batch": batch, "graph_batch": b, "context": context, "matmul_precision": precision,
+              "graph_s": graph_time(plain, stream), "marked_graph_s": total,
+              "kernels": [{"kernel": k, "launches": n, "seconds": t} for k, (t, n) in
+                          sorted(times.items(), key=lambda item: -item[1][0])]}
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"batch {result['batch']} (graph {result['graph_batch']}), context {result['context']}, matmul "
+             f"{result['matmul_precision']}: step {result['graph_s'] * 1e6:,.0f} us in the plain graph, "
+             f"{result['marked_graph_s'] * 1e6:,.0f} us summed between events", "",
+             "| kernel and grid | launches | us per step | share |", "| --- | ---: | ---: | ---: |"]
+    for k in result["kernels"]:
+        lines.append(f"| {k['kernel']} | {k['launches']} | {k['seconds'] * 1e6:,.1f} | "
+                     f"{k['seconds'] / result['marked_graph_s']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="a model directory (default: a random Llama-3.2-1B-shaped one)")
+    p.add_argument("--batch", type=lambda t: [int(b) for b in t.split(",")], default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=256, help="prompt tokens of every request (default 256)")
+    p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from tinyvllm.random_model import make_random_model
+
+            model = make_random_model(Path(tmp) / "m", "llama-3.2-1b", seed=0)
+        results = []
+        for batch in args.batch:
+            results.append(profile(model, batch, args.context, args.matmul_precision))
+            print(table(results[-1]) + "\n", flush=True)
+            gc.collect()  # the engine's device memory goes back before the next one is made
+            cuda.current_context().deallocations.clear()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
