@@ -1,10 +1,17 @@
-"""Row gathers: the token embedding lookup (bf16 table -> fp32 rows) and the selection of logit rows.
+"""Row gathers: the token embedding lookup (bf16 table -> fp32 rows), the selection of logit rows, and the
+chaining of sampled tokens into the next step's inputs.
 
-    embedding:   out[t, i] = float32(table[token_ids[t], i])    table (V, H) uint16 bf16, out (T, H) float32
-    gather_rows: out[s, i] = x[indices[s], i]                    x (T, H) float32, out (S, H) float32
+    embedding:    out[t, i] = float32(table[token_ids[t], i])    table (V, H) uint16 bf16, out (T, H) float32
+    gather_rows:  out[s, i] = x[indices[s], i]                    x (T, H) float32, out (S, H) float32
+    chain_tokens: token_ids[t] = sampled[src[t]] where src[t] >= 0, unchanged where src[t] < 0
 
-Thread mapping (both): grid = (rows,), one block per output row; the block's threads stride over the H
-columns, so consecutive threads touch consecutive addresses (coalesced loads and stores).
+Thread mapping (embedding, gather_rows): grid = (rows,), one block per output row; the block's threads
+stride over the H columns, so consecutive threads touch consecutive addresses (coalesced loads and stores).
+chain_tokens: one thread per token, grid = (ceil(T / THREADS),).
+
+chain_tokens is how a decode step is launched before the host knows the tokens it decodes (the engine's
+async scheduling): the previous step's sampled ids are still on the device, and the step's first kernel
+copies them into its input ids, in stream order, before the embedding reads them.
 
 Versions: v1 only; these are pure memory copies of one row per token and cost little next to the matmuls.
 """
@@ -45,6 +52,17 @@ def _gather_rows_kernel():
     return gather_rows_kernel
 
 
+@lru_cache(maxsize=None)
+def _chain_tokens_kernel():
+    @cuda.jit
+    def chain_tokens_kernel(token_ids, sampled, src):
+        t = cuda.grid(1)
+        if t < token_ids.shape[0] and src[t] >= 0:
+            token_ids[t] = sampled[src[t]]
+
+    return chain_tokens_kernel
+
+
 # ---------------------------------------------------------------------------------------------------------
 # launchers
 
@@ -67,6 +85,17 @@ def gather_rows(x, indices, out, stream=0):
            f"({indices.shape[0]}, {x.shape[1]}) float32", out)
     if out.shape[0]:
         _gather_rows_kernel()[out.shape[0], THREADS, stream](x, indices, out)
+
+
+def chain_tokens(token_ids, sampled, src, stream=0):
+    """token_ids (T,) int32, in place: token_ids[t] = sampled[src[t]] where src (T,) int32 is >= 0 (src
+    values must index sampled); the other ids stay as they are."""
+    _check(token_ids.ndim == 1 and token_ids.dtype.name == "int32", "token_ids", "(T,) int32", token_ids)
+    _check(sampled.ndim == 1 and sampled.dtype.name == "int32", "sampled", "(N,) int32", sampled)
+    _check(src.shape == token_ids.shape and src.dtype.name == "int32", "src", f"({token_ids.shape[0]},) int32",
+           src)
+    if token_ids.shape[0]:
+        _chain_tokens_kernel()[-(-token_ids.shape[0] // THREADS), THREADS, stream](token_ids, sampled, src)
 
 
 def _check(ok, name, expected, array):

@@ -140,3 +140,78 @@ def test_bf16_matmul_precision_batches_like_alone_and_is_validated(tiny_model_di
     assert llm.engine.runner.model.bf16_inputs
     with pytest.raises(ValueError, match="matmul_precision must be one of"):
         LLM(tiny_model_dir, backend="cpu", matmul_precision="tf32")
+
+
+def run_all(engine, requests):
+    """Every step's outputs per request (request id -> list of (new_text, token_ids, finished))."""
+    seen = {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=rid)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append((out.new_text, out.outputs[0].token_ids, out.finished,
+                                                        out.outputs[0].finish_reason))
+    return seen
+
+
+def count_chained_launches(engine):
+    launches = []
+    launch = engine.runner.launch
+
+    def counting(scheduled, chain_src=None):
+        launches.append(chain_src is not None)
+        return launch(scheduled, chain_src)
+
+    engine.runner.launch = counting
+    return launches
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(max_num_seqs=2),                                     # requests wait while others decode
+    dict(scheduler="static", max_num_seqs=3),
+    dict(num_kv_blocks=14, max_num_batched_tokens=16),        # preemption
+])
+def test_async_scheduling_changes_no_output(tiny_model_dir, prompts, options):
+    """Launching a decode step before the previous one's tokens are read gives the same streamed outputs,
+    step by step, as waiting for them: with sequences that stop on tokens and strings (one token computed
+    in vain each), end by length at different steps, wait, and are preempted."""
+    sync = LLM(tiny_model_dir, backend="cpu", block_size=4, async_scheduling=False, **options).engine
+    free_run = run_all(sync, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
+    ids = free_run["3"][-1][1]
+    text = "".join(piece for piece, *_ in free_run["1"])
+    requests = {}
+    for i, p in enumerate(prompts):
+        params = [GREEDY, SAMPLED, SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[5]], ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=12, stop=[text[4:6]], ignore_eos=True),
+                  SamplingParams(temperature=0.7, seed=3, max_tokens=9, min_tokens=2)][i % 6]
+        requests[str(i)] = (p, params)
+    want = run_all(LLM(tiny_model_dir, backend="cpu", block_size=4, async_scheduling=False, **options).engine,
+                   requests)
+    engine = LLM(tiny_model_dir, backend="cpu", block_size=4, **options).engine
+    chained = count_chained_launches(engine)
+    assert run_all(engine, requests) == want
+    assert any(chained)  # the look-ahead really ran
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine._inflight is None
+    assert any(r[-1][3] == "stop" for r in want.values()) and any(r[-1][3] == "length" for r in want.values())
+
+
+def test_abort_while_a_step_is_in_flight(tiny_model_dir, prompts):
+    engine = LLM(tiny_model_dir, backend="cpu", block_size=4).engine
+    chained = count_chained_launches(engine)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    while not any(chained):
+        engine.step()
+    assert engine._inflight is not None
+    engine.abort("1")
+    seen = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    assert "1" not in seen and all(seen[r][-1].finished for r in ("0", "2"))
+    alone = LLM(tiny_model_dir, backend="cpu", block_size=4, async_scheduling=False)
+    assert seen["2"][-1].outputs[0].token_ids == alone.generate([prompts[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

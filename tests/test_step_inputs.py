@@ -27,10 +27,10 @@ def decode_step(rng, s, width):
 
 def test_layout_is_compact_and_ordered():
     offsets, words = layout(StepShape(7, 3, 2, 5))
-    assert offsets["token_ids"] == (0, 7) and offsets["slot_mapping"] == (14, 7)
-    assert offsets["cu_seqlens_q"] == (21, 4) and offsets["logits_indices"] == (28, 2)
+    assert offsets["token_ids"] == (0, 7) and offsets["chain_src"] == (7, 7) and offsets["slot_mapping"] == (21, 7)
+    assert offsets["cu_seqlens_q"] == (28, 4) and offsets["logits_indices"] == (35, 2)
     assert offsets["block_tables"] == (words - 15, 15)
-    assert words == 3 * 7 + 4 + 3 + 6 * 2 + 15
+    assert words == 4 * 7 + 4 + 3 + 6 * 2 + 15
 
 
 @given(s=st.integers(1, 6), pad=st.integers(0, 5), width=st.integers(1, 4), wpad=st.integers(0, 3),
@@ -41,9 +41,18 @@ def test_padded_step_round_trips_through_the_device(s, pad, width, wpad, seed):
     b, w = s + pad, width + wpad
     shape = StepShape(b, b, b, w)
     inputs = StepInputs(16, 16, 8)
-    inputs.write(shape, batch, sampling)
-    inputs.upload(shape, cuda.stream())
+    stream = cuda.stream()
+    # a first step in the other host buffer: the second write must not disturb what it uploaded
+    inputs.write(shape, *decode_step(np.random.default_rng(seed + 1), s, width))
+    inputs.upload(shape, stream)
+    first = inputs.host
+    chain = np.where(rng.random(s) < 0.5, rng.integers(0, s, s), -1).astype(np.int32)
+    inputs.write(shape, batch, sampling, chain)
+    assert inputs.host is not first
+    inputs.upload(shape, stream)
+    stream.synchronize()
     got = {k: v.copy_to_host() for k, v in inputs.views(shape).items()}
+    np.testing.assert_array_equal(got["chain_src"], np.concatenate([chain, np.full(pad, -1)]))
     assert got["temperature"].dtype == np.float32 and got["block_tables"].shape == (b, w)
     for name in ("token_ids", "positions", "slot_mapping", "context_lens", "logits_indices"):
         np.testing.assert_array_equal(got[name][:s], getattr(batch, name))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.embedding import chain_tokens
 from reference.llama import ReferenceLlama
 from reference.sampling import sample
 from tinyvllm.batch import pack
@@ -23,12 +24,27 @@ class CPURunner:
         self.num_blocks = num_blocks or -(-DEFAULT_CPU_KV_TOKENS // block_size)
         self.model = ReferenceLlama(config, weights, matmul_precision)
         self.kv = self.model.new_kv_cache(self.num_blocks, block_size)
+        self._last = np.zeros(0, np.int32)   # the last step's samples, which a chained step reads
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
-        """Run one step; the sampled token of each scheduled sequence that reached its last token, in order."""
+    def launch(self, scheduled: list[ScheduledSequence], chain_src=None) -> list[int]:
+        """Run one step (synchronously: the handle is the tokens). chain_src: per new token, the row of the
+        previous step's samples that is its id (-1: the id packed from the sequence), as on the GPU."""
         batch, sampling = pack(scheduled, self.block_size)
+        if chain_src is not None:
+            batch.token_ids = chain_tokens(batch.token_ids, self._last, chain_src)
+        if len(batch.token_ids) and batch.token_ids.min() < 0:  # a PENDING id nothing chained (an engine bug)
+            raise RuntimeError(f"step inputs hold unknown token ids: {batch.token_ids.tolist()}")
         logits = self.model.forward(batch, self.kv)
         if not len(batch.logits_indices):
             return []
-        return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                      sampling.uniform).tolist()
+        tokens = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                        sampling.uniform)
+        self._last = tokens.astype(np.int32)
+        return tokens.tolist()
+
+    def collect(self, handle: list[int]) -> list[int]:
+        """The sampled tokens of a launched step, one per scheduled sequence that reached its last token."""
+        return handle
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        return self.collect(self.launch(scheduled))

@@ -7,6 +7,8 @@ idle time. Stream capture (tinyvllm/cuda_graph.py) is not wrapped by Numba at al
 
 from __future__ import annotations
 
+from cuda_kernels.compat import SIMULATOR
+
 
 def driver():
     from cuda.bindings import driver as drv
@@ -33,18 +35,36 @@ def device_pointer(array) -> int:
     return int(array.__cuda_array_interface__["data"][0])
 
 
-class HostToDevice:
-    """Asynchronous copies of a prefix of a pinned host array into a device array, on one stream.
+class PinnedCopy:
+    """Asynchronous copies between a prefix of a pinned host array and of a device array, on one stream.
 
-    The addresses and the stream handle are resolved once, so a copy is one driver call."""
+    The addresses and the stream handle are resolved once, so a copy is one driver call. In Numba's
+    simulator (no driver) the same copies go through Numba's API."""
 
     def __init__(self, host, device, stream):
-        self.host_ptr = int(host.ctypes.data)
-        self.device_ptr = device_pointer(device)
+        self.host, self.device, self.stream = host, device, stream
         self.capacity = min(host.nbytes, device.nbytes)
-        self.stream = stream_handle(stream)
+        if not SIMULATOR:
+            self._host_ptr = int(host.ctypes.data)
+            self._device_ptr = device_pointer(device)
+            self._stream = stream_handle(stream)
 
-    def copy(self, nbytes: int) -> None:
+    def to_device(self, nbytes: int) -> None:
+        self._check(nbytes)
+        if SIMULATOR:
+            n = nbytes // self.host.itemsize
+            self.device[:n].copy_to_device(self.host[:n], stream=self.stream)
+        else:
+            ok(driver().cuMemcpyHtoDAsync(self._device_ptr, self._host_ptr, nbytes, self._stream))
+
+    def to_host(self, nbytes: int) -> None:
+        self._check(nbytes)
+        if SIMULATOR:
+            n = nbytes // self.host.itemsize
+            self.device[:n].copy_to_host(self.host[:n], stream=self.stream)
+        else:
+            ok(driver().cuMemcpyDtoHAsync(self._host_ptr, self._device_ptr, nbytes, self._stream))
+
+    def _check(self, nbytes: int) -> None:
         if not 0 <= nbytes <= self.capacity:
             raise ValueError(f"copy of {nbytes} bytes: the buffers hold {self.capacity}")
-        ok(driver().cuMemcpyHtoDAsync(self.device_ptr, self.host_ptr, nbytes, self.stream))

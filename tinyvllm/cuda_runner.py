@@ -12,6 +12,10 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
    matmul] -> final residual + RMSNorm -> gather of the sampled rows -> LM head on those rows only;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
+`launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
+the next decode step, whose input ids are the samples still on the device (`chain_src`, see
+tinyvllm/engine.py): the step's first kernel copies them in, in stream order.
+
 No step allocates device memory: every kernel writes into a prefix of a preallocated buffer, and every
 launch goes to the runner's stream. That makes a step capturable: a pure decode step (one new token per
 sequence) is padded to a batch-size bucket (1, 2, 4, 8, 16, 32, 48, ...) and a block-table width bucket
@@ -34,6 +38,7 @@ from numba import cuda
 
 from reference.rope import rope_tables
 from tinyvllm.batch import pack
+from tinyvllm.cuda_driver import PinnedCopy
 from tinyvllm.cuda_graph import CUDAGraph
 from tinyvllm.scheduler import ScheduledSequence
 from tinyvllm.step_inputs import StepInputs, StepShape
@@ -86,8 +91,9 @@ class CUDARunner:
         self.act = empty((t, c.intermediate_size), f32)
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
-        self.tokens = empty(s, np.int32)
-        self.tokens_host = cuda.pinned_array(s, np.int32)
+        self.tokens = empty(s, np.int32)                  # the last launched step's samples
+        # two host copies of them, so a step's tokens can be read while the next step's are on their way
+        self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
 
         per_block = 2 * c.num_layers * block_size * c.kv_size * 2
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
@@ -97,6 +103,9 @@ class CUDARunner:
         self.attn_workspace = empty(max(1, paged_attention.decode_workspace_size(
             s, c.num_heads, c.num_kv_heads, c.head_dim, max_width, block_size)), f32)
         self.stream = cuda.stream()
+        self.tokens_out = [PinnedCopy(host, self.tokens, self.stream) for host in self.tokens_host]
+        self.token_events = [cuda.event(), cuda.event()]
+        self._slot = 0
         # NOTE: the simulator cannot capture graphs; there every step launches eagerly.
         self.use_graphs = not enforce_eager and not SIMULATOR
         self.batch_buckets, self.width_buckets = batch_buckets(s), width_buckets(max_width)
@@ -118,7 +127,9 @@ class CUDARunner:
                                f"{total / 2**30:.1f} GiB, gpu_memory_utilization {utilization}")
         return blocks
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+    def launch(self, scheduled: list[ScheduledSequence], chain_src=None):
+        """Start one step on the GPU and return at once (a handle for collect()). chain_src: per new token,
+        the row of the previous launched step's samples that is its id, -1 for the packed id."""
         batch, sampling = pack(scheduled, self.block_size)
         t, s, n = len(batch.token_ids), len(scheduled), len(batch.logits_indices)
         if t > self.max_tokens or s > self.max_seqs:
@@ -134,7 +145,7 @@ class CUDARunner:
             key, shape = (b, w, greedy), StepShape(b, b, b, w)
         else:
             shape = StepShape(t, s, n, width)
-        self.inputs.write(shape, batch, sampling)
+        self.inputs.write(shape, batch, sampling, chain_src)
         self.inputs.upload(shape, self.stream)
         graph = self.graphs.get(key)
         if graph is not None:
@@ -142,19 +153,30 @@ class CUDARunner:
         else:
             max_q_len = int(np.diff(batch.cu_seqlens_q).max())
             record = partial(self._forward, self.inputs.views(shape), shape, max_q_len, greedy)
-            record(self.stream)  # compiles what the capture below needs, and runs this step
+            # compiles what the capture below needs, and runs this step
+            record(self.stream, chained=chain_src is not None)
             if key is not None:
                 self.stream.synchronize()
-                self.graphs[key] = CUDAGraph(record, self.stream)
-        if n == 0:
-            self.stream.synchronize()
-            return []
-        self.tokens[:n].copy_to_host(self.tokens_host[:n], stream=self.stream)
-        self.stream.synchronize()
-        return self.tokens_host[:n].tolist()
+                self.graphs[key] = CUDAGraph(partial(record, chained=True), self.stream)
+        self._slot ^= 1
+        if n:
+            self.tokens_out[self._slot].to_host(4 * n)  # the samples, behind the step in the stream
+        self.token_events[self._slot].record(self.stream)
+        return n, self._slot
 
-    def _forward(self, v: dict, shape: StepShape, max_q_len: int, greedy: bool, stream) -> None:
-        """Launch one step's kernels on `stream`: the model on shape.tokens tokens, then sampling."""
+    def collect(self, handle) -> list[int]:
+        """Wait for a launched step; its sampled tokens, one per scheduled sequence that reached its end."""
+        n, slot = handle
+        self.token_events[slot].synchronize()
+        return self.tokens_host[slot][:n].tolist()
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        return self.collect(self.launch(scheduled))
+
+    def _forward(self, v: dict, shape: StepShape, max_q_len: int, greedy: bool, stream, chained: bool) -> None:
+        """Launch one step's kernels on `stream`: the model on shape.tokens tokens, then sampling. chained:
+        first copy the previous step's samples into the input ids where chain_src says (always in a graph,
+        which serves chained and unchained steps alike)."""
         c = self.config
         t, _, n, _ = shape
         ids, pos, slots, tables, ctx = (v[k] for k in ("token_ids", "positions", "slot_mapping", "block_tables",
@@ -162,6 +184,8 @@ class CUDARunner:
         x, h, sub, qkv, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.qkv, self.q, self.attn))
         gate_up, act = self.gate_up[:t], self.act[:t]
         decode = max_q_len == 1
+        if chained:
+            embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
         for i, layer in enumerate(self.layers):
             if i == 0:

@@ -9,6 +9,15 @@
 A step asks the scheduler for a batch, has the runner (CPU reference or CUDA) compute it and sample, then
 appends the sampled tokens, checks stop conditions, registers newly full KV blocks with the prefix cache,
 and frees the blocks of finished sequences.
+
+Async scheduling (`async_scheduling`, on by default; vLLM has the same option): while the GPU computes a
+decode step, the host would idle until its tokens come back, and the GPU would idle while the host then
+prepares the next step. When the next step can only be the decode of the same sequences (nothing waits
+that could be admitted, no sequence ends by length, blocks suffice without preemption), it is scheduled and
+launched before this step's tokens are read: its input ids are this step's samples, which stay on the
+device (the runner's `chain_src`). The host then reads and processes this step's tokens while the next one
+runs. A sequence that stops on a stop token or string meanwhile has one token computed in vain, which is
+dropped. Until a step's tokens are read, the sequence holds a PENDING placeholder where each goes.
 """
 
 from __future__ import annotations
@@ -20,14 +29,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from reference.llama import MATMUL_PRECISIONS
 from tinyvllm.block_manager import BlockManager
 from tinyvllm.config import ModelConfig
-from tinyvllm.scheduler import Scheduler
+from tinyvllm.scheduler import ScheduledSequence, Scheduler
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import Sequence
 from tinyvllm.text_stream import TextStream
 from tinyvllm.tokenizer import Tokenizer
+
+
+# An output token that was sampled on the device but not read back yet (async scheduling).
+PENDING = -1
 
 
 class RequestError(ValueError):
@@ -74,6 +89,7 @@ class EngineOptions:
     seed: int = 0                             # draws the seeds of requests that do not set one
     enforce_eager: bool = False               # CUDA backend: no CUDA graphs, every kernel launched from Python
     matmul_precision: str = "fp32"            # fp32 | bf16: inputs of the matmuls rounded to bf16 (vLLM's numerics)
+    async_scheduling: bool = True             # launch the next decode step before reading this one's tokens
 
     def __post_init__(self):
         if self.backend not in ("auto", "cpu", "cuda"):
@@ -84,6 +100,15 @@ class EngineOptions:
             raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class _Launched:
+    """A step the runner was given: what it computes, where each sampled token goes, the runner's handle."""
+
+    scheduled: list[ScheduledSequence]
+    sampled: list[int | None]   # per scheduled sequence: the output index of the token it samples, or None
+    handle: object
 
 
 class LLMEngine:
@@ -102,6 +127,7 @@ class LLMEngine:
         self._prompts: dict[int, str | None] = {}
         self._by_request: dict[str, Sequence] = {}
         self.num_generated_tokens = 0           # over the engine's life: progress bars read it
+        self._inflight: _Launched | None = None  # a step launched ahead, its tokens not read yet
         self._ids = itertools.count()
         self._seeds = random.Random(options.seed)
         self._eos = set(config.eos_token_ids)
@@ -171,36 +197,82 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        tokens = iter(self.runner.execute(scheduled))
-        outputs = []
+        if self._inflight is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return []
+            current = self._launch(scheduled)
+        else:
+            current, self._inflight = self._inflight, None
+        if self.options.async_scheduling:
+            self._inflight = self._launch_next_decode(current)
+        outputs = self._finish_step(current, self.runner.collect(current.handle))
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            self.runner.collect(self._inflight.handle)  # every sequence of it stopped: nothing to read
+            self._inflight = None
+        return outputs
+
+    def _launch(self, scheduled: list[ScheduledSequence], chain_src=None) -> "_Launched":
+        """Start a step on the runner and account for it: the sequences' new tokens are computed (their KV
+        is written in stream order) and each sampling sequence gets a PENDING output token."""
+        handle = self.runner.launch(scheduled, chain_src)
+        sampled = []
         for item in scheduled:
             seq = item.seq
-            samples = item.samples
+            samples = item.samples  # NOTE: before the accounting below, which changes what it reads
             seq.num_computed_tokens += item.num_new_tokens
-            if not samples:
-                self.block_manager.register_full_blocks(seq)
+            sampled.append(len(seq.output_token_ids) if samples else None)
+            if samples:
+                seq.output_token_ids.append(PENDING)
+        return _Launched(scheduled, sampled, handle)
+
+    def _launch_next_decode(self, current: "_Launched") -> "_Launched | None":
+        """Launch the step after `current` before its tokens are known, when that step can only be the decode
+        of the same sequences (see the module docstring); None when it cannot be sure."""
+        if any(index is None for index in current.sampled):
+            return None  # a prefill chunk that samples nothing: the next step is the scheduler's to choose
+        seqs, rows = [], []
+        for row, (item, index) in enumerate(zip(current.scheduled, current.sampled)):
+            if not self._ends_by_length(item.seq, index + 1):
+                seqs.append(item.seq)
+                rows.append(row)  # its input token is row `row` of current's samples
+        nxt = self.scheduler.continue_decodes(seqs, len(current.scheduled) - len(seqs)) if seqs else None
+        if nxt is None:
+            return None
+        return self._launch(nxt, np.asarray(rows, np.int32))
+
+    def _finish_step(self, current: "_Launched", tokens: list[int]) -> list[RequestOutput]:
+        """Put a step's sampled tokens in place, check stop conditions, release what finished."""
+        tokens = iter(tokens)
+        outputs = []
+        for item, index in zip(current.scheduled, current.sampled):
+            seq = item.seq
+            if index is None:
+                if not seq.is_finished:
+                    self.block_manager.register_full_blocks(seq)
                 continue
             token = next(tokens)
+            if seq.is_finished:
+                continue  # stopped (or aborted) while this step ran: the token is not its
+            seq.output_token_ids[index] = token
+            count = index + 1
             self.num_generated_tokens += 1
-            seq.output_token_ids.append(token)
             seq.last_token_time = time.perf_counter()
             if seq.first_token_time is None:
                 seq.first_token_time = seq.last_token_time
             self.block_manager.register_full_blocks(seq)
             stream = self._streams[seq.seq_id]
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, count)
             new_text = "" if reason == "stop" else stream.push(token)  # a stop token adds no text
             if reason is None and stream.stopped:
                 reason = "stop"
             if reason is not None:
+                del seq.output_token_ids[count:]  # a token the next step samples for it is not its
                 new_text += stream.finish()
                 self.scheduler.finish(seq, reason)
             elif stream.final_only:
                 continue
-            outputs.append(self._output(seq, new_text))
+            outputs.append(self._output(seq, new_text, count))
             if reason is not None:
                 self._forget(seq)
         return outputs
@@ -209,19 +281,21 @@ class LLMEngine:
         ids = set(seq.params.stop_token_ids)
         return ids if seq.params.ignore_eos else ids | self._eos
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        n = len(seq.output_token_ids)
-        if n > seq.params.min_tokens and token in self._stop_ids(seq):
+    def _stop_reason(self, seq: Sequence, token: int, count: int) -> str | None:
+        """Why `seq` ends with `token` as its count-th output token, or None."""
+        if count > seq.params.min_tokens and token in self._stop_ids(seq):
             return "stop"
-        if n >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._ends_by_length(seq, count) else None
 
-    def _output(self, seq: Sequence, new_text: str) -> RequestOutput:
+    def _ends_by_length(self, seq: Sequence, count: int) -> bool:
+        """Whether `seq` is done once it has `count` output tokens, whatever they are."""
+        return count >= seq.params.max_tokens or len(seq.prompt_token_ids) + count >= self.max_model_len
+
+    def _output(self, seq: Sequence, new_text: str, count: int) -> RequestOutput:
         stream = self._streams[seq.seq_id]
         return RequestOutput(
             request_id=seq.request_id, prompt=self._prompts[seq.seq_id], prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, stream.text, list(seq.output_token_ids), seq.finish_reason)],
+            outputs=[CompletionOutput(0, stream.text, seq.output_token_ids[:count], seq.finish_reason)],
             finished=seq.is_finished, new_text=new_text, num_cached_tokens=seq.num_cached_prompt_tokens,
             metrics={"preemptions": seq.num_preemptions, "arrival_time": seq.arrival_time,
                      "first_token_time": seq.first_token_time, "last_token_time": seq.last_token_time})

@@ -102,6 +102,30 @@ class Scheduler:
             self._forming = False
         return scheduled
 
+    def continue_decodes(self, seqs: list[Sequence], num_ending: int) -> list[ScheduledSequence] | None:
+        """The next step, planned before the current one's tokens are known (the engine's async scheduling):
+        one new token for each of `seqs`, if that is surely what schedule() would then run. `seqs` are the
+        running sequences, in order, but for the `num_ending` the current step ends by length.
+
+        None (and nothing allocated) when it is not sure: a waiting sequence could be admitted (a free
+        sequence slot and token budget, and for static batching a batch still forming), some running
+        sequence is not among them, or their new blocks would need a preemption."""
+        if len(self.running) != len(seqs) + num_ending or len(seqs) > self.max_num_batched_tokens:
+            return None
+        admits = self.policy == "continuous" or self._forming
+        if self.waiting and admits and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens):
+            return None
+        running = iter(self.running)
+        if not all(any(seq is r for r in running) for seq in seqs):  # in running's order
+            return None
+        blocks = self.blocks
+        needed = sum(blocks.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table) for seq in seqs)
+        if needed > blocks.num_free_blocks:
+            return None
+        for seq in seqs:
+            blocks.allocate(seq, 1)
+        return [ScheduledSequence(seq, 1) for seq in seqs]
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (stop, length or abort), wherever it is, and free its blocks."""
         if seq in self.running:

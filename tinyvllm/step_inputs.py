@@ -9,13 +9,20 @@ buffer, of which the kernels read typed views.
 
 Layout, in int32 words, compact for the step's shape (t, s, n, w) so that the copy moves only used words:
 
-    token_ids[t] positions[t] slot_mapping[t] cu_seqlens_q[s+1] context_lens[s]
+    token_ids[t] chain_src[t] positions[t] slot_mapping[t] cu_seqlens_q[s+1] context_lens[s]
     logits_indices[n] top_k[n] temperature[n] top_p[n] min_p[n] uniform[n] block_tables[s*w]
+
+chain_src[i] >= 0 says that token i is row chain_src[i] of the previous step's samples, which the host does
+not know yet (the engine's async scheduling launches a decode step before it has read the previous one's
+tokens): the step's first kernel copies it from the device (cuda_kernels/embedding.chain_tokens).
 
 The offsets depend on the shape alone, so a CUDA graph captured for a shape finds the same views at the same
 addresses at every replay. A step may be padded to a larger shape (a graph's batch-size bucket): padding
 rows get context length 0 (attention writes zeros), cache slot -1 (no KV write) and greedy sampling,
 so they change nothing that a real row reads.
+
+The host buffer is double: while a step's copy may still be waiting in the stream (behind the step before
+it), the next step is written into the other buffer. An event after each copy says when its buffer is free.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from cuda_kernels.compat import SIMULATOR
+from tinyvllm.cuda_driver import PinnedCopy
 
 # (name, length in the shape's terms, dtype, value of padding entries)
 _FIELDS = (
     ("token_ids", "t", np.int32, 0),
+    ("chain_src", "t", np.int32, -1),          # -1: the token id is the host's
     ("positions", "t", np.int32, 0),
     ("slot_mapping", "t", np.int32, -1),
     ("cu_seqlens_q", "s+1", np.int32, None),   # padding continues the offsets, one token per padding row
@@ -65,19 +73,31 @@ def layout(shape: StepShape) -> tuple[dict[str, tuple[int, int]], int]:
 
 
 class StepInputs:
-    """A pinned host buffer and a device buffer big enough for the largest step, and their typed views."""
+    """Two pinned host buffers and a device buffer big enough for the largest step, and its typed views."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_width: int):
         _, words = layout(StepShape(max_tokens, max_seqs, max_seqs, max_width))
-        self.host = cuda.pinned_array(words, np.int32)
+        self._hosts = [cuda.pinned_array(words, np.int32) for _ in range(2)]
+        self._copied = [None, None]    # per host buffer: an event recorded after its last copy
+        self._copiers = [None, None]   # per host buffer: a PinnedCopy for the stream of its last copy
+        self._slot = 0                 # the host buffer the last write used
         self.device = cuda.device_array(words, np.int32)
         self._views = lru_cache(maxsize=256)(self._make_views)
-        self._copier = None   # a HostToDevice for the stream of the last upload
 
-    def write(self, shape: StepShape, batch, sampling) -> None:
-        """Pack a ForwardBatch and SamplingBatch into the host buffer in `shape`'s layout, padding as above."""
+    @property
+    def host(self) -> np.ndarray:
+        """The host buffer of the last write."""
+        return self._hosts[self._slot]
+
+    def write(self, shape: StepShape, batch, sampling, chain_src: np.ndarray | None = None) -> None:
+        """Pack a ForwardBatch and SamplingBatch (and the chained rows, -1 where none) into a free host
+        buffer in `shape`'s layout, padding as above."""
+        self._slot ^= 1
+        if self._copied[self._slot] is not None:
+            self._copied[self._slot].synchronize()  # its previous step's copy has left it
         offsets, _ = layout(shape)
-        values = {**vars(batch), **vars(sampling)}
+        chain = np.full(len(batch.token_ids), -1, np.int32) if chain_src is None else chain_src
+        values = {**vars(batch), **vars(sampling), "chain_src": chain}
         for name, _, dtype, pad in _FIELDS:
             at, length = offsets[name]
             dst = self.host[at: at + length].view(dtype)
@@ -99,17 +119,16 @@ class StepInputs:
 
     def upload(self, shape: StepShape, stream) -> None:
         """One asynchronous copy of the words `shape` uses (the host buffer is pinned)."""
-        words = layout(shape)[1]
-        if SIMULATOR:  # no driver there
-            self.device[:words].copy_to_device(self.host[:words], stream=stream)
-            return
+        words, slot = layout(shape)[1], self._slot
         # NOTE: one driver call; Numba's copy_to_device of a slice took ~130 us of Python per step on the
         # H200 machine, while the GPU waited for it
-        if self._copier is None or self._copier_stream is not stream:
-            from tinyvllm.cuda_driver import HostToDevice
-
-            self._copier, self._copier_stream = HostToDevice(self.host, self.device, stream), stream
-        self._copier.copy(4 * words)
+        copier = self._copiers[slot]
+        if copier is None or copier.stream is not stream:
+            copier = self._copiers[slot] = PinnedCopy(self.host, self.device, stream)
+        copier.to_device(4 * words)
+        if self._copied[slot] is None:
+            self._copied[slot] = cuda.event()
+        self._copied[slot].record(stream)
 
     def views(self, shape: StepShape) -> dict[str, object]:
         """The device views of `shape`'s layout, typed and shaped (block_tables is (s, w))."""

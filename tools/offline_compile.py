@@ -80,6 +80,27 @@ class FakeStream:
         pass
 
 
+class FakeEvent:
+    def record(self, stream=0):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class FakeCopy:
+    """tinyvllm.cuda_driver.PinnedCopy without a driver: copies nothing."""
+
+    def __init__(self, host, device, stream):
+        self.stream = stream
+
+    def to_device(self, nbytes):
+        pass
+
+    def to_host(self, nbytes):
+        pass
+
+
 def install(cuda_home: Path, report: list) -> None:
     """Point Numba at cuda_home's libdevice for cc 9.0 and turn launches into compile + ptxas."""
     import numba.cuda.cudadrv.driver as driver
@@ -118,6 +139,10 @@ def install(cuda_home: Path, report: list) -> None:
     cuda.device_array = lambda shape, dtype=np.float64, *a, **k: FakeDeviceArray(np.zeros(shape, dtype))
     cuda.pinned_array = lambda shape, dtype=np.float64, *a, **k: np.zeros(shape, dtype)
     cuda.stream = lambda *a, **k: FakeStream()
+    cuda.event = lambda *a, **k: FakeEvent()
+    import tinyvllm.cuda_driver
+
+    tinyvllm.cuda_driver.PinnedCopy = FakeCopy  # before the runner's modules import it
 
 
 def one_layer_weights(config) -> dict[str, np.ndarray]:

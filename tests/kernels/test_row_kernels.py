@@ -42,6 +42,21 @@ def test_gather_rows(seed, s, t, h):
     assert_close(out, ref_embedding.gather_rows(x, idx), atol=0, rtol=0)
 
 
+@given(seeds, sizes(70, [1, 256, 1000]), st.integers(1, 300))
+def test_chain_tokens(seed, t, n):
+    """Entries with a source take that sampled id, the others keep theirs (src -1, as padding and prefill
+    rows have); on the GPU profile also over several blocks of threads."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, t).astype(np.int32)
+    sampled = rng.integers(0, 128256, n).astype(np.int32)
+    src = np.where(rng.random(t) < 0.7, rng.integers(0, n, t), -1).astype(np.int32)
+    d_ids = to_device(ids)
+    embedding.chain_tokens(d_ids, to_device(sampled), to_device(src))
+    want = ref_embedding.chain_tokens(ids, sampled, src)
+    np.testing.assert_array_equal(d_ids.copy_to_host(), want)
+    assert np.array_equal(want[src < 0], ids[src < 0]) and np.array_equal(want[src >= 0], sampled[src[src >= 0]])
+
+
 def norm_tolerance(h):
     # the mean square is a sum of h fp32 terms in another order; its relative error, halved by the square
     # root, is the output's relative error (plus a few ulps for the multiplies)
