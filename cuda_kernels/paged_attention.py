@@ -587,11 +587,11 @@ def heads_per_block(group: int) -> int:
     return -(-group // -(-group // MAX_BLOCK_HEADS))
 
 
-def fast_warps(head_dim: int, group: int, lanes_per_key: int) -> int:
-    """Warps per block of the fast kernel: up to MAX_WARPS, as many as their merge buffers fit in 48 KB."""
+def fast_warps(head_dim: int, group: int, lanes_per_key: int, most: int = MAX_WARPS) -> int:
+    """Warps per block of the fast kernel: up to `most`, as many as their merge buffers fit in 48 KB."""
     heads = heads_per_block(group)
     per_warp = 4 * (WARP // lanes_per_key) * (heads * head_dim + 1 + 3 * heads)
-    return max(1, min(MAX_WARPS, SHARED_BUDGET // per_warp))
+    return max(1, min(most, SHARED_BUDGET // per_warp))
 
 
 def _partition_bound(num_seqs, num_heads, num_kv_heads, max_blocks, block_size):
@@ -623,14 +623,14 @@ def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_b
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
-                    partition_blocks=None, lanes_per_key=None):
+                    partition_blocks=None, lanes_per_key=None, warps=None):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (fast kernel).
 
     workspace: a float32 device array of at least decode_workspace_size(...) elements, or None. With it the
     context is split into decode_partitions(...) partitions (from shapes only: CUDA-graph safe) and a second
     kernel merges them; without it one pass per (sequence, KV head), fine for big batches.
-    partition_blocks, lanes_per_key: override the policy (tests and benchmarks); any values >= 1 and 4 or 8
-    are correct."""
+    partition_blocks, lanes_per_key, warps: override the policy (tests and benchmarks); any partition_blocks
+    >= 1, lanes_per_key 4 or 8 and warps from 1 to what the shared memory holds are correct."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
     num_seqs, num_heads = q.shape[:2]
     num_kv_heads = k_cache.shape[2]
@@ -649,7 +649,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     if num_seqs == 0:
         return
     group = num_heads // num_kv_heads
-    warps = fast_warps(d, group, lanes)
+    if warps is None:
+        warps = fast_warps(d, group, lanes)
+    elif not 1 <= warps <= fast_warps(d, group, lanes, most=WARP):
+        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=WARP)} for head_dim {d}, "
+                         f"group {group}, {lanes} lanes per key; got {warps!r}")
     direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps)
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)

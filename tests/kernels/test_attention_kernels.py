@@ -1,5 +1,5 @@
-"""Attention kernels against reference/: prefill (naive and flash) and decode (PagedAttention v1, split-K, and
-the fast GQA-shared kernel with its own split-K).
+"""Attention kernels against reference/: prefill (naive, flash, and flash on tensor cores) and decode
+(PagedAttention v1, split-K, and the fast GQA-shared kernel with its own split-K).
 
 Every case writes random K/V through random, non-contiguous block tables into caches whose other slots are
 NaN, so a kernel that reads past a context (even inside the last, partly filled block) returns NaN and
@@ -174,16 +174,24 @@ def decode_reference(q, k_cache, v_cache, tables, lens, scale):
     return want
 
 
+# warps per block: the policy's, one, or more than the policy gives ("most": what the shared memory holds;
+# in the simulator at most 4, every thread being a Python thread)
+fast_warp_counts = st.sampled_from(pick([None, 1, 3], [None, 8, "most"]))
+
+
 @settings(max_examples=pick(10, 80))
 @given(seeds, decode_contexts(shortest=0), fast_heads, fast_head_dims, st.sampled_from([16, 32]), kinds,
-       st.sampled_from([4, 8]), fast_splits)
+       st.sampled_from([4, 8]), fast_splits, fast_warp_counts)
 # always: padding, a one-token and a multi-block context in one batch, split into several partitions; a group
 # of 5 query heads (two blocks, the second one short) and a head_dim that is not a multiple of 4 words
-@example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1)
-@example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none")
-def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split):
+@example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1, warps=None)
+@example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none", warps=3)
+def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split, warps):
     q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
     hkv, group = hg
+    if warps is not None:
+        most = paged_attention.fast_warps(d, group, lanes, most=pick(4, 32))
+        warps = most if warps == "most" else min(warps, most)
     scale = 1 / np.sqrt(d)
     s, hq = q.shape[:2]
     workspace, partition_blocks = None, None
@@ -197,7 +205,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
         workspace = to_device(np.full(max(size, 1), np.nan, np.float32))
     out = device_empty(q.shape, np.float32)
     paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out, workspace=workspace,
-                                    partition_blocks=partition_blocks, lanes_per_key=lanes)
+                                    partition_blocks=partition_blocks, lanes_per_key=lanes, warps=warps)
     want = decode_reference(q, k_cache, v_cache, tables, lens, scale)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
@@ -371,7 +379,45 @@ def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_si
                 kind)
 
 
-def test_prefill_one_query_per_sequence_equals_decode():
+# The tensor-core kernel needs head_dim in attention.TC_HEAD_DIMS (multiples of 16). In the simulator its 16-key
+# tiles (2 warps, 32 rows per block) make the contexts of prefill_chunks walk up to four tiles and two row tiles.
+tc_head_dims = st.sampled_from(pick([16, 32], [64, 64, 128, 16, 32]))
+
+
+@settings(max_examples=pick(6, 60))
+@given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]))
+@example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None)
+def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size, kind, keys):
+    """keys: the launcher's keys_per_tile override (None: tc_config's); 128-dim heads keep their own (at 32
+    keys their accumulators spill registers; at 64 the tiles pass 48 KB of shared memory)."""
+    keys = None if d > 64 else keys
+
+    def launcher(*args):
+        attention.prefill_attention_tc(*args, keys_per_tile=keys)
+
+    run_prefill(launcher, np.random.default_rng(seed), chunks, *hg, d, block_size, kind)
+
+
+@pytest.mark.parametrize("chunks", pick([[(5, 0)], [(3, 3), (4, 0)], [(2, 9)]],
+                                        [[(1024, 0)], [(256, 0)] * 4, [(512, 512)]]))
+def test_prefill_attention_tc_benchmark_shapes(chunks):
+    """The benchmark's layouts (one 1,024-token prompt, 4 x 256, a 512 chunk after a 512 cached prefix) at the
+    model's shapes (32 / 8 heads, head_dim 64) on the GPU; the same layouts shrunk in the simulator."""
+    hkv, group, d = pick((1, 4, 16), (8, 4, 64))
+    run_prefill(attention.prefill_attention_tc, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
+
+
+@pytest.mark.skipif(not SIM, reason="a GPU device function cannot be called from the host; kernels use it there")
+def test_transpose_bf16x4():
+    """The 4 x 4 transpose of 16-bit elements that stages V for the tensor-core kernel."""
+    m = np.random.default_rng(0).integers(0, 2**16, (4, 4), dtype=np.uint64).astype(np.uint16)
+    rows = m.view(np.uint64).ravel()                      # rows[i] holds m[i, 0..3], element 0 lowest
+    columns = attention.transpose_bf16x4(*rows)
+    assert np.array(columns, np.uint64).view(np.uint16).reshape(4, 4).tolist() == m.T.tolist()
+
+
+@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_tc])
+def test_prefill_one_query_per_sequence_equals_decode(launcher):
     """q_len 1 at the end of each context is exactly a decode step."""
     rng = np.random.default_rng(1)
     contexts = [1, 33, 17]
@@ -379,8 +425,7 @@ def test_prefill_one_query_per_sequence_equals_decode():
     q = rng.standard_normal((3, 4, 16), dtype=np.float32)
     lens = np.array(contexts, np.int32)
     out = device_empty(q.shape, np.float32)
-    attention.prefill_attention(*devices(q, k_cache, v_cache, tables, np.arange(4, dtype=np.int32), lens), 0.25,
-                                out, 1)
+    launcher(*devices(q, k_cache, v_cache, tables, np.arange(4, dtype=np.int32), lens), 0.25, out, 1)
     want = ref.paged_attention(q, k_cache, v_cache, tables, lens, 0.25)
     assert_close(out, want, atol=decode_atol(q, ks, vs, 0.25, 4), rtol=4 * F32_EPS)
 
@@ -445,6 +490,8 @@ def test_decode_launcher_errors(changes, message):
 
 @pytest.mark.parametrize("options, message", [
     (dict(lanes_per_key=3), "lanes_per_key"),
+    (dict(warps=0), "warps must be 1 to"),
+    (dict(warps=1000), "warps must be 1 to"),
     (dict(partition_blocks=0), "partition_blocks"),
     (dict(partition_blocks=1.5), "partition_blocks"),
     (dict(partition_blocks=1), "need a workspace"),        # 2 partitions of the 2-block table
@@ -482,7 +529,8 @@ def test_split_launcher_errors(shapes, partition_size, message):
                                                    device_empty((2, 4, 16), np.float32))
 
 
-@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive])
+@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive,
+                                      attention.prefill_attention_tc])
 @pytest.mark.parametrize("changes, message", [
     (dict(cu_seqlens_q=np.zeros(2, np.int32)), "cu_seqlens_q"),
     (dict(cu_seqlens_q=np.zeros(3, np.int64)), "cu_seqlens_q"),
@@ -492,11 +540,25 @@ def test_split_launcher_errors(shapes, partition_size, message):
     (dict(q=np.zeros((5, 4, 20), np.float32), out=np.zeros((5, 4, 20), np.float32)), "multiple of 8"),
 ])
 def test_prefill_launcher_errors(launcher, changes, message):
+    with pytest.raises(ValueError, match=message):
+        launcher(**_prefill_args(**changes))
+
+
+@pytest.mark.parametrize("d, keys, message", [(24, None, "head_dim must be one of"),
+                                              (8, None, "head_dim must be one of"),
+                                              (16, 24, "keys_per_tile must be a multiple of 16")])
+def test_prefill_tc_launcher_errors(d, keys, message):
+    """What the tensor-core kernel refuses that prefill_attention takes (callers fall back on the ValueError)."""
+    changes = dict(q=np.zeros((5, 4, d), np.float32), out=np.zeros((5, 4, d), np.float32),
+                   k_cache=np.zeros((3, 4, 2, d), np.uint16), v_cache=np.zeros((3, 4, 2, d), np.uint16))
+    with pytest.raises(ValueError, match=message):
+        attention.prefill_attention_tc(**_prefill_args(**changes), keys_per_tile=keys)
+
+
+def _prefill_args(**changes):
     args = dict(q=np.zeros((5, 4, 16), np.float32), k_cache=np.zeros((3, 4, 2, 16), np.uint16),
                 v_cache=np.zeros((3, 4, 2, 16), np.uint16), block_tables=np.zeros((2, 2), np.int32),
                 cu_seqlens_q=np.array([0, 2, 5], np.int32), context_lens=np.array([3, 4], np.int32),
                 scale=0.25, out=np.zeros((5, 4, 16), np.float32), max_q_len=3)
     args.update(changes)
-    args = {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
-    with pytest.raises(ValueError, match=message):
-        launcher(**args)
+    return {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}

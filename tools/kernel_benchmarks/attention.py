@@ -96,38 +96,59 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
              check(run_split), bytes_moved=kv_bytes)]
 
 
-def _prefill_cases(rng, tokens):
-    k_cache, v_cache, tables = _paged_cache(rng, [tokens])
+def _prefill_cases(rng, chunks, naive=False):
+    """Prefill of sequences given as (new tokens, cached prefix) pairs: the SIMT flash kernel, the tensor-core
+    one (at its default tile and, for one long sequence, at 32-key tiles), and the naive one if asked."""
+    q_lens = [n for n, _ in chunks]
+    contexts = [n + cached for n, cached in chunks]
+    k_cache, v_cache, tables = _paged_cache(rng, contexts)
+    tokens = sum(q_lens)
     q = rng.standard_normal((tokens, HQ, D), dtype=np.float32)
-    cu = np.array([0, tokens], np.int32)
-    lens = np.array([tokens], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    lens = np.array(contexts, np.int32)
     dq, dk, dv, dt, dcu, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, cu, lens))
     out = cuda.device_array((tokens, HQ, D), np.float32)
-    flops = 4 * HQ * D * tokens * (tokens + 1) // 2
+    # causal (query, key) pairs: query i of a chunk after `cached` keys sees cached + i + 1 keys
+    flops = 4 * HQ * D * sum(n * cached + n * (n + 1) // 2 for n, cached in chunks)
+    reference = []   # computed once, by the first check that needs it
 
-    def runner(launcher):
+    def runner(launcher, **options):
         def run(stream):
-            launcher(dq, dk, dv, dt, dcu, dl, SCALE, out, tokens, stream)
+            launcher(dq, dk, dv, dt, dcu, dl, SCALE, out, max(q_lens), stream, **options)
         return run
 
-    def check(launcher):
+    def check(run):
         def check_one():
             out.copy_to_device(np.full(out.shape, np.nan, np.float32))
-            runner(launcher)(0)
-            want = ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, SCALE)
-            atol = _atol([q], k_cache, v_cache, tables, [tokens])
-            np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+            run(0)
+            if not reference:
+                reference.append(ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, SCALE))
+            atol = _atol([q[cu[s]:cu[s + 1]] for s in range(len(chunks))], k_cache, v_cache, tables, contexts)
+            np.testing.assert_allclose(out.copy_to_host(), reference[0], atol=atol, rtol=4 * F32_EPS)
         return check_one
 
-    shape = f"{tokens} tokens, 1 sequence, {HQ}/{HKV} heads, d {D}"
-    return [Case("attention", f"prefill_attention (flash, fp32 SIMT) {shape}",
-                 runner(attention.prefill_attention), check(attention.prefill_attention), flops=flops),
-            Case("attention", f"prefill_attention_naive {shape}", runner(attention.prefill_attention_naive),
-                 check(attention.prefill_attention_naive), flops=flops)]
+    if len(chunks) == 1 and chunks[0][1] == 0:
+        layout = f"{tokens} tokens, 1 sequence"
+    elif all(cached == 0 for _, cached in chunks):
+        layout = f"{len(chunks)} x {q_lens[0]} tokens"
+    else:
+        layout = " + ".join(f"{n} tokens after {cached} cached" for n, cached in chunks)
+    shape = f"{layout}, {HQ}/{HKV} heads, d {D}"
+    warps, keys = attention.tc_config(D)
+    variants = [(f"prefill_attention_tc ({warps} warps, {keys}-key tiles) {shape}",
+                 runner(attention.prefill_attention_tc)),
+                (f"prefill_attention (flash, fp32 SIMT) {shape}", runner(attention.prefill_attention))]
+    if len(chunks) == 1:
+        variants.insert(1, (f"prefill_attention_tc ({warps} warps, 32-key tiles) {shape}",
+                            runner(attention.prefill_attention_tc, keys_per_tile=32)))
+    if naive:
+        variants.append((f"prefill_attention_naive {shape}", runner(attention.prefill_attention_naive)))
+    return [Case("attention", name, run, check(run), flops=flops) for name, run in variants]
 
 
 def cases() -> list[Case]:
     rng = np.random.default_rng(0)
     return (_decode_cases(rng, 64, 4096, 512) + _decode_cases(rng, 1, 8192, 512)
             + _decode_cases(rng, 256, 1024, 512) + _decode_cases(rng, 64, 4096, block=32, fast_only=True)
-            + _prefill_cases(rng, 1024))
+            + _prefill_cases(rng, [(1024, 0)], naive=True) + _prefill_cases(rng, [(256, 0)] * 4)
+            + _prefill_cases(rng, [(512, 512)]))
