@@ -8,8 +8,9 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
    device in one transfer (tinyvllm/step_inputs.py);
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
-   flash-style prefill otherwise) -> O matmul -> residual + RMSNorm -> gate/up matmul -> SiLU*mul -> down
-   matmul] -> final residual + RMSNorm -> gather of the sampled rows -> LM head on those rows only;
+   flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
+   RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul] -> final residual + RMSNorm -> gather of the
+   sampled rows -> LM head on those rows only;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
@@ -77,6 +78,10 @@ class CUDARunner:
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.cos, self.sin = up(cos), up(sin)
         self.scale = np.float32(c.head_dim ** -0.5)
+        # NOTE: tensor-core prefill attention where the head size allows; the simulator keeps the SIMT kernel
+        # (every emulated mma costs two block barriers over Python threads; the kernel tests cover both)
+        use_tc = not SIMULATOR and c.head_dim in attention.TC_HEAD_DIMS
+        self.prefill_attention = attention.prefill_attention_tc if use_tc else attention.prefill_attention
 
         t, s, f32 = max_num_batched_tokens, max_num_seqs, np.float32
         empty = cuda.device_array
@@ -198,8 +203,8 @@ class CUDARunner:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
                                                 stream, workspace=self.attn_workspace)
             else:
-                attention.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
-                                            self.scale, attn, max_q_len, stream)
+                self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
+                                       self.scale, attn, max_q_len, stream)
             matmul.matmul(attn.reshape(t, c.q_size), layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
             matmul.matmul(h, layer["gate_up"], gate_up, stream)
