@@ -6,6 +6,15 @@ x (M, K) float32 activations; W (N, K) uint16 bf16 bit patterns (one row per out
 stores it); out (M, N) float32, written by the kernel (the caller allocates it). Fused projections (Q, K and
 V as one weight; gate and up as one) are the same op on row-concatenated weights. Twin: reference/matmul.py.
 
+Two input precisions (the engine's matmul_precision): "fp32" (the default) multiplies x as it is;
+"bf16" (``bf16_inputs=True`` on matmul_naive, gemm, gemm_tc and matmul; what vLLM and HF transformers do)
+multiplies bf16(x), x rounded to the nearest bf16 (ties to even, primitives.round_bf16):
+
+    out[m, n] = sum_k bf16(x[m, k]) * bf16_to_f32(W[n, k])
+
+Either way every product is exact in fp32, so the kernels differ from reference.matmul.matmul(x, W,
+bf16_inputs) only in the order of the fp32 sums.
+
 Thread mappings:
 
 - ``matmul_naive``: grid = (ceil(N / 128), M), block = (128, 1); thread (n, m) computes out[m, n] with a
@@ -20,16 +29,22 @@ Thread mappings:
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
-- ``gemm_tc`` (prefill, large decode batches; tensor cores): grid = (ceil(N / BN), ceil(M / BM)), block =
-  32 * (BM / WM) * (BN / WN); warp v owns the WM x WN sub-tile at ((v // (BN/WN)) * WM, (v % (BN/WN)) * WN),
-  i.e. (WM/16) x (WN/8) mma tiles of 16 x 8, whose fragments follow cuda_kernels/mma.py (lane (g, t) =
-  (lane // 4, lane % 4) accumulates rows g, g + 8 and columns 2t, 2t + 1 of each). Per BK slab, thread i
-  stages 4-element quads i, i + threads, ... of x (split into three bf16 planes) and of W into shared
-  memory, while the next slab's quads are already loading into its registers.
+- ``gemm_tc`` (tensor cores; prefill and decode batches above GEMV_MAX_M): grid = (ceil(N / BN),
+  ceil(M / BM)), block = 32 * (BM / WM) * (BN / WN) * KW; warp w works on warp tile v = w % ((BM/WM) *
+  (BN/WN)), the WM x WN sub-tile at ((v // (BN/WN)) * WM, (v % (BN/WN)) * WN), i.e. (WM/16) x (WN/8) mma
+  tiles of 16 x 8, whose fragments follow cuda_kernels/mma.py (lane (g, t) = (lane // 4, lane % 4)
+  accumulates rows g, g + 8 and columns 2t, 2t + 1 of each), over the k-steps of K group w // (number of
+  warp tiles): a slab's BK / 16 k-steps are split into KW equal runs, one per group (split-K inside the
+  block, so that a skinny tile still has 8-16 warps), and at the end groups 1..KW-1 add their partial
+  tiles into group 0's through shared memory, in that fixed order. Per BK slab, thread i stages 4-element
+  quads i, i + threads, ... of x (three bf16 planes, or one with bf16_inputs) and of W into shared memory
+  (one of STAGES buffers), while the next slab's quads are already loading into its registers. The tile
+  (BM, BN, BK, WM, WN, KW, STAGES) comes from gemm_tc_tile(M, N, K), a policy by shape (16- and 32-row
+  tiles for decode batches, 64 x 64 and 128 x 128 for prefill; its docstring gives the reasoning).
 
-The bf16x3 split (gemm_tc). Tensor cores multiply bf16, but x is fp32 (DESIGN.md: GPU and reference may
-differ only in summation order). So each x is cut into three bf16 pieces, x = hi + mid + lo exactly (24
-significant bits = 8 + 8 + 8; see _split_bf16x3), and out = hi @ W^T + mid @ W^T + lo @ W^T, three mma per
+The bf16x3 split (gemm_tc, fp32 mode). Tensor cores multiply bf16, but x is fp32 (DESIGN.md: GPU and
+reference may differ only in summation order). So each x is cut into three bf16 pieces, x = hi + mid + lo
+exactly (24 significant bits = 8 + 8 + 8; see _split_bf16x3), and out = hi @ W^T + mid @ W^T + lo @ W^T, three mma per
 16 x 8 x 16 tile, all into the same fp32 accumulators. A product of two bf16 (8 significant bits each) is
 exact in fp32, so every term piece * w is exact and only the order (and the tensor core's internal rounding)
 of the fp32 sums differs from the reference. W is bf16 already: one B fragment serves all three pieces.
@@ -37,14 +52,18 @@ The price is 3x the tensor-core work: the ceiling is a third of the mma peak. Ex
 be normal numbers: below about 2^-110 the low pieces become subnormal (or zero) and some low bits of x go
 (an absolute error of at most about 2^-125 |w| per term, far under the tolerance). An infinite x stays
 infinite (it is all hi); an infinite weight meets zero pieces and gives NaN, not +-inf (weights are finite).
+With bf16_inputs there is one piece, bf16(x), staged as one shared-memory plane instead of three: one mma
+per tile (the ceiling is the whole mma peak) and a third of the x staging and its shared memory.
 
 Versions:
 1. matmul_naive: one thread per output, uncoalesced W reads. The teaching baseline.
 2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows.
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
-4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x, tiled
-   through shared memory as packed bf16 quads (64-bit, conflict-free fragment loads), W read as 64-bit words
-   when K % 4 == 0, the next slab prefetched into registers.
+4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
+   rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
+   conflict-free fragment loads), W read as 64-bit words when K % 4 == 0, the next slab prefetched into
+   registers; skinny tiles with split-K across the warps of a block for decode batches, an optional second
+   shared-memory stage (one block barrier per slab), the tile picked by shape (gemm_tc_tile).
 5. matmul: what the engine calls; gemv for M <= GEMV_MAX_M, gemm_tc above (gemm in the simulator).
 """
 
@@ -60,7 +79,7 @@ from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.mma import mma_bf16_m16n8k16
-from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, warp_sum
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, f32_to_bf16, round_bf16, warp_sum
 
 # Largest M that the engine's matmul sends to gemv; above it the tiled gemm wins (gemv reads W once per
 # m_tile rows of x, gemm once per BM rows). NOTE: a first guess from the shapes, to be re-measured on the GPU.
@@ -93,20 +112,37 @@ class GemmTcTile(NamedTuple):
     bk: int = 32   # K slab staged in shared memory per step, a multiple of 16 (one mma k-step)
     wm: int = 64   # rows of the warp tile, a multiple of 16 (m16 of the mma)
     wn: int = 32   # columns of the warp tile, a multiple of 8 (n8 of the mma)
+    kw: int = 1    # K groups: warps splitting each slab's k-steps over the same warp tiles (bk/16 % kw == 0)
+    stages: int = 1  # shared-memory slab buffers: 2 = one block barrier per slab instead of two
 
 
 # The simulator runs one Python thread per CUDA thread: fewer, busier threads keep engine tests affordable
 # there (the kernel tests cover the GPU's configurations too).
 GEMV_CONFIG = GemvConfig()
 GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
-# gemm_tc: the 128 x 128 tile (8 warps of 64 x 32) when its grid has at least GEMM_TC_BIG_BLOCKS blocks,
-# else the 64 x 64 one (4 warps of 32 x 32), which keeps more SMs busy on small outputs (M = 256 against
-# N = 2048 is 32 big tiles for 132 SMs). NOTE: measured on the H200 (BENCHMARKS.md): with 128 big blocks
-# (down projection, M = 1024) the big tile took 705 us against 957 us, with 32 the small one 404 against
-# 696 us; at 192 (QKV, M = 1024) the small one was 12% faster, so the rule is a compromise, not a law.
-GEMM_TC_TILE = GemmTcTile(16, 16, 16, 16, 8) if SIMULATOR else GemmTcTile()
-GEMM_TC_SMALL_TILE = GemmTcTile(16, 16, 16, 16, 8) if SIMULATOR else GemmTcTile(64, 64, 32, 32, 32)
-GEMM_TC_BIG_BLOCKS = 128
+
+# gemm_tc tiles (gemm_tc_tile picks one; every one can also be passed as gemm_tc's `tile`). Static shared
+# memory is capped at 48 KB per block (more needs a dynamic opt-in, GPU.md); all of these fit in fp32 mode,
+# so the choice does not depend on bf16_inputs.
+SM_COUNT = 132                 # H200
+GEMM_TC_MAX_SHARED = 48 * 1024
+# Prefill: 128 x 128 of 8 warps of 64 x 32, and 64 x 64 of 4 warps of 32 x 32.
+GEMM_TC_TILE = GemmTcTile(128, 128, 32, 64, 32)
+GEMM_TC_SMALL_TILE = GemmTcTile(64, 64, 32, 32, 32)
+# Skinny M (decode batches): the m16 of one mma (or two) for the block's rows, narrow columns for more blocks,
+# 128-deep slabs split over 4 K groups of warps (8 or 16 warps a block, each on 2 k-steps a slab).
+GEMM_TC_SKINNY_TILES = {
+    16: (GemmTcTile(16, 64, 128, 16, 16, 4), GemmTcTile(16, 32, 128, 16, 16, 4),
+         GemmTcTile(16, 16, 128, 16, 8, 4)),
+    32: (GemmTcTile(32, 64, 64, 32, 16, 2), GemmTcTile(32, 32, 128, 32, 16, 4),
+         GemmTcTile(32, 16, 128, 32, 8, 4)),
+}
+# The narrowest 16-row tile with 256-deep slabs: twice the weight bytes in flight per block, for long K.
+GEMM_TC_SKINNY_DEEP_TILE = GemmTcTile(16, 16, 256, 16, 8, 4)
+GEMM_TC_BIG_BLOCKS = 128       # the big tile from this many blocks up (measured, see gemm_tc_tile)
+GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes the deep slabs
+# Simulator default: 4 warps (2 along N, 2 K groups) with one k-step each, every code path at 128 threads.
+GEMM_TC_SIM_TILE = GemmTcTile(16, 16, 32, 16, 8, 2)
 _NAIVE_BLOCK_N = 128
 
 
@@ -162,18 +198,25 @@ def _halves(word):
 # kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@cuda.jit
-def _matmul_naive_kernel(x, weight, out):
-    """x (M, K) f32, weight (N, K) u16 bf16, out (M, N) f32. Thread (n, m) computes out[m, n]."""
-    n, m = cuda.grid(2)
-    if m >= x.shape[0] or n >= weight.shape[0]:
-        return
-    # NOTE: neighbouring threads read W rows K elements apart (uncoalesced); gemv fixes that by giving a
-    # row to a warp. fp32 accumulation throughout, as everywhere in the project.
-    acc = float32(0)
-    for k in range(x.shape[1]):
-        acc += x[m, k] * bf16_to_f32(weight[n, k])
-    out[m, n] = acc
+@functools.lru_cache(maxsize=None)
+def _matmul_naive_kernel(bf16_inputs: bool):
+    """The naive kernel; with bf16_inputs every x is rounded to the nearest bf16 as it is read."""
+
+    @cuda.jit
+    def matmul_naive_kernel(x, weight, out):
+        """x (M, K) f32, weight (N, K) u16 bf16, out (M, N) f32. Thread (n, m) computes out[m, n]."""
+        n, m = cuda.grid(2)
+        if m >= x.shape[0] or n >= weight.shape[0]:
+            return
+        # NOTE: neighbouring threads read W rows K elements apart (uncoalesced); gemv fixes that by giving a
+        # row to a warp. fp32 accumulation throughout, as everywhere in the project.
+        acc = float32(0)
+        for k in range(x.shape[1]):
+            xv = round_bf16(x[m, k]) if bf16_inputs else x[m, k]
+            acc += xv * bf16_to_f32(weight[n, k])
+        out[m, n] = acc
+
+    return matmul_naive_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,8 +294,9 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
-    """The tiled gemm kernel for a BM x BN output tile, BK-wide K slabs and a TM x TN register tile."""
+def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, bf16_inputs: bool):
+    """The tiled gemm kernel for a BM x BN output tile, BK-wide K slabs and a TM x TN register tile; with
+    bf16_inputs every x is rounded to the nearest bf16 as it is staged."""
     if bm % tm or bn % tn:
         raise ValueError(f"tile ({bm}, {bn}) is not a multiple of the thread tile ({tm}, {tn})")
     TX = bn // tn                 # threads along N
@@ -301,7 +345,8 @@ def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
                 c = idx % bk
                 m = m0 + r
                 k = k0 + c
-                xs[c, r] = x[m, k] if m < M and k < K else float32(0)
+                xv = x[m, k] if m < M and k < K else float32(0)
+                xs[c, r] = round_bf16(xv) if bf16_inputs else xv
             for e in range(W_LOADS):
                 idx = tid + THREADS * e
                 r = idx // bk
@@ -333,23 +378,56 @@ def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int):
     return gemm_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, w_words: bool):
-    """The tensor-core gemm kernel for a BM x BN block tile of WM x WN warp tiles and BK-wide K slabs.
+def _gemm_tc_pad(bk: int) -> int:
+    """Rows of padding per k-step plane of gemm_tc's shared slabs, so that the slab stores are conflict-free.
 
-    Math: out[m, n] = sum_k (hi + mid + lo)(x[m, k]) * W[n, k], each piece a bf16 (the bf16x3 split, module
-    docstring), computed as mma tiles D (16 x 8) += A (16 x 16) @ B (16 x 8) with A = a piece of x's tile and
-    B[k, n] = W[n, k] (mma's "col" B is a row of W).
+    NOTE: a 64-bit store is served per half-warp: 16 consecutive quad indices, i.e. quads t = 0..3 (banks
+    2t, 2t + 1) of 16 / 4 k-steps of one row when a row has Q = bk / 4 >= 16 quads, or of 2 k-steps of 2 rows
+    when Q = 8. A row is 4 uint64 = 8 banks, so with bm (or bn) a multiple of 4, `pad` rows of padding put
+    consecutive planes 8 * pad banks apart (mod 32): pad 1 spreads 4 k-steps over 0, 8, 16, 24; for Q = 8,
+    pad 2 puts the second k-step 16 banks over and the second row 8 banks over (0, 8, 16, 24 again). Fragment
+    reads are conflict-free either way (a half-warp reads 4 rows x 4 consecutive uint64 of one plane)."""
+    return 2 if bk == 32 else 1
+
+
+def gemm_tc_shared_bytes(tile: GemmTcTile, bf16_inputs: bool = False) -> int:
+    """Static shared memory of a gemm_tc block: the x planes and the W slab (per stage), and the K-group
+    reduction buffer when kw > 1. Must stay within GEMM_TC_MAX_SHARED."""
+    steps = tile.bk // 16
+    pieces = 1 if bf16_inputs else 3
+    pad = _gemm_tc_pad(tile.bk)
+    x_bytes = tile.stages * pieces * steps * (tile.bm + pad) * 4 * 8
+    w_bytes = tile.stages * steps * (tile.bn + pad) * 4 * 8
+    return x_bytes + w_bytes + (4 * tile.bm * tile.bn if tile.kw > 1 else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages: int, w_words: bool,
+                    bf16_inputs: bool):
+    """The tensor-core gemm kernel for a BM x BN block tile of WM x WN warp tiles, BK-wide K slabs split over
+    KW groups of warps, STAGES shared-memory buffers.
+
+    Math: out[m, n] = sum_k X[m, k] * W[n, k] with X = x cut into its three bf16 pieces (hi + mid + lo, the
+    bf16x3 split, module docstring) or, with bf16_inputs, x rounded to bf16 (one piece); computed as mma
+    tiles D (16 x 8) += A (16 x 16) @ B (16 x 8) with A = a piece of x's tile and B[k, n] = W[n, k] (mma's
+    "col" B is a row of W).
 
     Shared memory holds quads: a uint64 of 4 bf16 of one row at k = k0 + 16 s + 4 t .. + 3 (s: mma k-step of
-    the slab, t = 0..3), xs[p, s, row, t] for piece p of x and ws[s, row, t] for W. For W that is just its
-    memory layout (one 64-bit load). The fragments come from these quads with one 64-bit shared load per
-    register pair: lane (g, t) takes quad t of rows g and g + 8 (A) and of column g (B), and uses
+    the slab, t = 0..3), xs[buf, p, s, row, t] for piece p of x and ws[buf, s, row, t] for W. For W that is
+    just its memory layout (one 64-bit load). The fragments come from these quads with one 64-bit shared
+    load per register pair: lane (g, t) takes quad t of rows g and g + 8 (A) and of column g (B), and uses
     low word -> a0 (row g) / a1 (row g + 8) / b0, high word -> a2 / a3 / b1.
     NOTE: this feeds mma the k's of a step in another order than its nominal layout (mma.py): its k-slots
     2t, 2t+1 hold real k 4t, 4t+1 and slots 2t+8, 2t+9 real k 4t+2, 4t+3. A and B use the same order, so the
     sum over k is unchanged; the order buys a whole quad per load and conflict-free banks (a half-warp reads
     4 rows x 4 consecutive quads = 32 consecutive words). Each lane's D elements keep the nominal layout.
+
+    K groups (kw > 1): warp w works on warp tile w % (WARPS_M * WARPS_N) and on k-steps
+    [(w // (WARPS_M * WARPS_N)) * S/kw, + S/kw) of every slab, so kw warps accumulate partial sums of the same
+    outputs. At the end groups 1..kw-1 hand their accumulators to group 0 through shared memory one group at
+    a time, group 0 adds them in that fixed order (deterministic, no atomics) and stores.
+    Stages: with 2, the next slab is stored into the other buffer while this one is read (one block barrier
+    per slab); with 1, the block waits for every warp to finish the slab before overwriting it (two).
 
     Tails: x rows >= M, W rows >= N and k >= K are staged as zeros (K need not be a multiple of 16 or 4);
     outputs are stored only inside (M, N).
@@ -357,14 +435,22 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, w_words: bool):
     w_words: the weight comes as its uint64 view (N, K/4), 4 bf16 per load (needs K % 4 == 0); otherwise as
     the (N, K) uint16 array, read one bf16 at a time (any K).
     """
-    if bk % 16 or wm % 16 or wn % 8 or bm % wm or bn % wn:
-        raise ValueError(f"gemm_tc tile {(bm, bn, bk, wm, wn)}: need bk % 16, wm % 16, wn % 8, bm % wm and "
-                         f"bn % wn all zero")
+    tile = GemmTcTile(bm, bn, bk, wm, wn, kw, stages)
+    if bk % 16 or wm % 16 or wn % 8 or bm % wm or bn % wn or kw < 1 or (bk // 16) % kw or stages not in (1, 2):
+        raise ValueError(f"gemm_tc tile {tuple(tile)}: need bk % 16, wm % 16, wn % 8, bm % wm, bn % wn and "
+                         f"(bk / 16) % kw all zero, kw >= 1 and stages 1 or 2")
     WARPS_N = bn // wn
-    THREADS = WARP * (bm // wm) * WARPS_N
+    WARPS_MN = (bm // wm) * WARPS_N   # warp tiles per block tile; kw warps share each
+    THREADS = WARP * WARPS_MN * kw
     if THREADS > 1024:
-        raise ValueError(f"gemm_tc tile {(bm, bn, bk, wm, wn)} gives {THREADS} threads per block (max 1024)")
+        raise ValueError(f"gemm_tc tile {tuple(tile)} gives {THREADS} threads per block (max 1024)")
+    shared = gemm_tc_shared_bytes(tile, bf16_inputs)
+    if shared > GEMM_TC_MAX_SHARED:
+        raise ValueError(f"gemm_tc tile {tuple(tile)} (bf16_inputs={bf16_inputs}) needs {shared} bytes of "
+                         f"shared memory (max {GEMM_TC_MAX_SHARED})")
     S = bk // 16          # mma k-steps per slab
+    SW = S // kw          # k-steps per slab of each K group
+    P = 1 if bf16_inputs else 3   # bf16 pieces of x
     MI = wm // 16         # m16 tiles per warp
     NJ = wn // 8          # n8 tiles per warp
     Q = bk // 4           # 4-element quads per row of a slab (one uint64 of shared memory each)
@@ -372,11 +458,8 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, w_words: bool):
     W_QUADS = bn * Q
     X_PER = (X_QUADS + THREADS - 1) // THREADS
     W_PER = (W_QUADS + THREADS - 1) // THREADS
-    # NOTE: 2 rows of padding per k-step plane shift consecutive planes by 16 banks, so the half-warp that
-    # stores quads of k-steps 0 and 1 of the same rows hits distinct banks (fragment reads are conflict-free
-    # either way: a half-warp reads 4 rows x 4 consecutive uint64).
-    XS_ROWS = bm + 2
-    WS_ROWS = bn + 2
+    XS_ROWS = bm + _gemm_tc_pad(bk)
+    WS_ROWS = bn + _gemm_tc_pad(bk)
 
     @cuda.jit(device=True)
     def load_slab(x, w, k0, xr, wr):
@@ -407,46 +490,92 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, w_words: bool):
                             word |= uint64(w[n, 4 * q + j]) << uint64(16 * j)
             wr[e] = word
 
+    if bf16_inputs:
+        @cuda.jit(device=True)
+        def store_x_quad(xs, buf, s, r, t, v0, v1, v2, v3):
+            """Four x values -> their bf16 roundings (nearest even), one quad of the single plane."""
+            xs[buf, 0, s, r, t] = _pack4(f32_to_bf16(v0), f32_to_bf16(v1), f32_to_bf16(v2), f32_to_bf16(v3))
+    else:
+        @cuda.jit(device=True)
+        def store_x_quad(xs, buf, s, r, t, v0, v1, v2, v3):
+            """Four x values -> one quad in each of the hi, mid and lo planes (the bf16x3 split)."""
+            h0, d0, l0 = _split_bf16x3(v0)
+            h1, d1, l1 = _split_bf16x3(v1)
+            h2, d2, l2 = _split_bf16x3(v2)
+            h3, d3, l3 = _split_bf16x3(v3)
+            xs[buf, 0, s, r, t] = _pack4(h0, h1, h2, h3)
+            xs[buf, 1, s, r, t] = _pack4(d0, d1, d2, d3)
+            xs[buf, 2, s, r, t] = _pack4(l0, l1, l2, l3)
+
     @cuda.jit(device=True)
-    def store_slab(xr, wr, xs, ws):
-        """Registers -> shared: x split into its three bf16 planes, W words as they are."""
+    def store_slab(xr, wr, xs, ws, buf):
+        """Registers -> shared buffer buf: x as its bf16 plane(s), W words as they are."""
         for e in range(X_PER):
             idx = cuda.threadIdx.x + THREADS * e
             if idx < X_QUADS:
-                r = idx // Q
-                s = (idx % Q) // 4
-                t = idx % 4
-                h0, d0, l0 = _split_bf16x3(xr[e, 0])
-                h1, d1, l1 = _split_bf16x3(xr[e, 1])
-                h2, d2, l2 = _split_bf16x3(xr[e, 2])
-                h3, d3, l3 = _split_bf16x3(xr[e, 3])
-                xs[0, s, r, t] = _pack4(h0, h1, h2, h3)
-                xs[1, s, r, t] = _pack4(d0, d1, d2, d3)
-                xs[2, s, r, t] = _pack4(l0, l1, l2, l3)
+                store_x_quad(xs, buf, (idx % Q) // 4, idx // Q, idx % 4, xr[e, 0], xr[e, 1], xr[e, 2], xr[e, 3])
         for e in range(W_PER):
             idx = cuda.threadIdx.x + THREADS * e
             if idx < W_QUADS:
-                ws[(idx % Q) // 4, idx // Q, idx % 4] = wr[e]
+                ws[buf, (idx % Q) // 4, idx // Q, idx % 4] = wr[e]
+
+    @cuda.jit(device=True)
+    def store_out(acc, out, m_base, n_base):
+        """This lane's accumulators -> out, inside (M, N) only (mma D layout: rows g, g + 8, columns 2t, 2t+1)."""
+        for i in range(MI):
+            for j in range(NJ):
+                for c in range(4):
+                    m = m_base + 16 * i + 8 * (c // 2)
+                    n = n_base + 8 * j + c % 2
+                    if m < out.shape[0] and n < out.shape[1]:
+                        out[m, n] = acc[i, j, c]
+
+    if kw == 1:
+        @cuda.jit(device=True)
+        def finish(acc, out, kg, v, lane, m_base, n_base):
+            store_out(acc, out, m_base, n_base)
+    else:
+        @cuda.jit(device=True)
+        def finish(acc, out, kg, v, lane, m_base, n_base):
+            """Sum the K groups' partial tiles into group 0 in the order 1, 2, .., kw-1; group 0 stores."""
+            # red[v, i, j, c, lane]: lane fastest, so a warp's 32 stores or loads hit 32 distinct banks
+            red = cuda.shared.array((WARPS_MN, MI, NJ, 4, WARP), float32)
+            for src in range(1, kw):
+                if kg == src:
+                    for i in range(MI):
+                        for j in range(NJ):
+                            for c in range(4):
+                                red[v, i, j, c, lane] = acc[i, j, c]
+                cuda.syncthreads()
+                if kg == 0:
+                    for i in range(MI):
+                        for j in range(NJ):
+                            for c in range(4):
+                                acc[i, j, c] += red[v, i, j, c, lane]
+                cuda.syncthreads()  # red is free for the next group
+            if kg == 0:
+                store_out(acc, out, m_base, n_base)
 
     @cuda.jit
     def gemm_tc_kernel(x, w, out):
         """x (M, K) f32; w (N, K/4) u64 [w_words] or (N, K) u16 bf16; out (M, N) f32. Block (bx, by)
-        computes out[by*BM : by*BM+BM, bx*BN : bx*BN+BN]; warp v the WM x WN sub-tile at rows
-        (v // WARPS_N) * WM, columns (v % WARPS_N) * WN of it."""
-        M = x.shape[0]
+        computes out[by*BM : by*BM+BM, bx*BN : bx*BN+BN]; warp w the WM x WN sub-tile at rows
+        (v // WARPS_N) * WM, columns (v % WARPS_N) * WN of it (v = w % WARPS_MN), over the k-steps of K group
+        w // WARPS_MN of every slab."""
         K = x.shape[1]
-        N = out.shape[1]
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
         g = lane // 4
         t = lane % 4
-        wm0 = (warp // WARPS_N) * wm
-        wn0 = (warp % WARPS_N) * wn
+        kg = warp // WARPS_MN
+        v = warp % WARPS_MN
+        wm0 = (v // WARPS_N) * wm
+        wn0 = (v % WARPS_N) * wn
 
-        # xs[p, s, r, t]: bf16 piece p (hi, mid, lo) of x[m0 + r, k0 + 16 s + 4 t : +4], packed in a uint64;
-        # ws[s, r, t]: W[n0 + r, k0 + 16 s + 4 t : +4], the same packing (see the gemm_tc docstring).
-        xs = cuda.shared.array((3, S, XS_ROWS, 4), uint64)
-        ws = cuda.shared.array((S, WS_ROWS, 4), uint64)
+        # xs[buf, p, s, r, t]: bf16 piece p of x[m0 + r, k0 + 16 s + 4 t : +4], packed in a uint64;
+        # ws[buf, s, r, t]: W[n0 + r, k0 + 16 s + 4 t : +4], the same packing (see the docstring above).
+        xs = cuda.shared.array((stages, P, S, XS_ROWS, 4), uint64)
+        ws = cuda.shared.array((stages, S, WS_ROWS, 4), uint64)
         xr = cuda.local.array((X_PER, 4), float32)   # the next slab, in flight during the current one's mma
         wr = cuda.local.array(W_PER, uint64)
         acc = cuda.local.array((MI, NJ, 4), float32)
@@ -457,35 +586,36 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, w_words: bool):
                     acc[i, j, c] = float32(0)
 
         load_slab(x, w, 0, xr, wr)
-        for k0 in range(0, K, bk):
-            store_slab(xr, wr, xs, ws)
-            cuda.syncthreads()
-            if k0 + bk < K:
-                load_slab(x, w, k0 + bk, xr, wr)
-            for s in range(S):
+        store_slab(xr, wr, xs, ws, 0)
+        cuda.syncthreads()
+        slabs = (K + bk - 1) // bk
+        for slab in range(slabs):
+            buf = slab % stages
+            more = slab + 1 < slabs
+            if more:
+                load_slab(x, w, (slab + 1) * bk, xr, wr)
+            for ss in range(SW):
+                s = kg * SW + ss
                 for j in range(NJ):
-                    bf[j, 0], bf[j, 1] = _halves(ws[s, wn0 + 8 * j + g, t])
-                for p in range(3):
+                    bf[j, 0], bf[j, 1] = _halves(ws[buf, s, wn0 + 8 * j + g, t])
+                for p in range(P):
                     for i in range(MI):
-                        a0, a2 = _halves(xs[p, s, wm0 + 16 * i + g, t])
-                        a1, a3 = _halves(xs[p, s, wm0 + 16 * i + 8 + g, t])
+                        a0, a2 = _halves(xs[buf, p, s, wm0 + 16 * i + g, t])
+                        a1, a3 = _halves(xs[buf, p, s, wm0 + 16 * i + 8 + g, t])
                         for j in range(NJ):
                             acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_m16n8k16(
                                 a0, a1, a2, a3, bf[j, 0], bf[j, 1],
                                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
-            cuda.syncthreads()  # the next store overwrites xs and ws
+            if stages == 1:
+                cuda.syncthreads()  # every warp is done with the buffer the next store overwrites
+            if more:
+                store_slab(xr, wr, xs, ws, (slab + 1) % stages)
+            cuda.syncthreads()  # the stored slab is visible to every warp
 
-        m_base = cuda.blockIdx.y * bm + wm0 + g
-        n_base = cuda.blockIdx.x * bn + wn0 + 2 * t
-        for i in range(MI):
-            for j in range(NJ):
-                for c in range(4):
-                    m = m_base + 16 * i + 8 * (c // 2)
-                    n = n_base + 8 * j + c % 2
-                    if m < M and n < N:
-                        out[m, n] = acc[i, j, c]
+        finish(acc, out, kg, v, lane, cuda.blockIdx.y * bm + wm0 + g, cuda.blockIdx.x * bn + wn0 + 2 * t)
 
     gemm_tc_kernel.threads = THREADS
+    gemm_tc_kernel.shared_bytes = shared
     return gemm_tc_kernel
 
 
@@ -528,13 +658,13 @@ def _check_args(x, weight, out, allow_u64_weight=False):
     return M, N, K
 
 
-def matmul_naive(x, weight, out, stream=0):
-    """out = x @ W^T, one thread per output element (the teaching baseline)."""
+def matmul_naive(x, weight, out, stream=0, bf16_inputs: bool = False):
+    """out = x @ W^T, one thread per output element (the teaching baseline); x rounded to bf16 first if asked."""
     M, N, _ = _check_args(x, weight, out)
     if M == 0 or N == 0:
         return
     grid = ((N + _NAIVE_BLOCK_N - 1) // _NAIVE_BLOCK_N, M)
-    _matmul_naive_kernel[grid, (_NAIVE_BLOCK_N, 1), stream](x, weight, out)
+    _matmul_naive_kernel(bool(bf16_inputs))[grid, (_NAIVE_BLOCK_N, 1), stream](x, weight, out)
 
 
 def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG):
@@ -562,48 +692,85 @@ def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG):
     kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv)
 
 
-def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE):
-    """out = x @ W^T for large M (prefill): shared-memory tiled fp32 GEMM, any M, N, K."""
+def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):
+    """out = x @ W^T for large M (prefill): shared-memory tiled fp32 GEMM, any M, N, K; x rounded to bf16
+    first if asked."""
     M, N, _ = _check_args(x, weight, out)
     if M == 0 or N == 0:
         return
-    kernel = _gemm_kernel(*tile)
+    kernel = _gemm_kernel(*tile, bool(bf16_inputs))
     grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
     kernel[grid, kernel.threads, stream](x, weight, out)
 
 
-def gemm_tc_tile(m: int, n: int) -> GemmTcTile:
-    """The tile gemm_tc uses by default for an (m, n) output: the big one when its grid is big enough."""
-    big = GEMM_TC_TILE
-    blocks = ((n + big.bn - 1) // big.bn) * ((m + big.bm - 1) // big.bm)
-    return big if blocks >= GEMM_TC_BIG_BLOCKS else GEMM_TC_SMALL_TILE
+def _blocks(tile: GemmTcTile, m: int, n: int) -> int:
+    return ((n + tile.bn - 1) // tile.bn) * ((m + tile.bm - 1) // tile.bm)
 
 
-def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None):
-    """out = x @ W^T for large M (prefill, big decode batches) on tensor cores (bf16x3 split), any M, N, K.
+def gemm_tc_tile(m: int, n: int, k: int) -> GemmTcTile:
+    """The tile gemm_tc uses by default for x (m, k) @ W (n, k)^T (a pure function of the shape).
 
-    tile: the block and warp tiles; by default GEMM_TC_TILE when its grid has GEMM_TC_BIG_BLOCKS blocks or
-    more, else GEMM_TC_SMALL_TILE. The weight is read 4 bf16 per load through its uint64 view when K % 4 == 0 (and it
-    is C-contiguous), one bf16 per load otherwise.
+    1. GEMM_TC_TILE (128 x 128) when m > 64 and its grid has at least GEMM_TC_BIG_BLOCKS blocks: most reuse
+       per byte staged. NOTE: measured on the H200 (BENCHMARKS.md, fp32 mode): at 128 blocks (down, M = 1024) it took
+       705 us against 957 us for the 64 x 64 tile; at 32 blocks (down, M = 256) 696 against 404 us; at 192
+       (QKV, M = 1024) the 64 x 64 tile was 12% faster: a compromise, not a law.
+    2. Else GEMM_TC_SMALL_TILE (64 x 64) when m > 64 and its grid has GEMM_TC_BIG_BLOCKS blocks too (the
+       measured cases above: down at M = 256 is 128 of them).
+    3. Else a skinny tile (decode batches, or outputs too small to fill the SMs): bm = 16 for m <= 16, else
+       32; the widest of its bn = 64, 32, 16 whose grid has at least SM_COUNT blocks, else the narrowest.
+       At small m the weight read dominates (2.47 GB per decode step; QKV at M = 16: 12.6 MB, about 3 us
+       at 4 TB/s, against 1.7 us of mma at the 359 TFLOP/s peak in fp32 mode, 0.6 us with bf16_inputs),
+       and a weight is read at full bandwidth only with enough bytes in flight: each block keeps its next
+       slab of W (bn x bk bf16: 4 to 16 KB) in registers, so the grid needs blocks on every SM, and each
+       block 8 or 16 warps (the K groups) to issue those loads and the mma work between them. Wider bn
+       reads x (from L2) fewer times per weight byte (bm * 4 bytes of x per bn * 2 bytes of W per k), so
+       it is preferred while the grid still fills the SMs.
+    4. When even the narrowest has fewer than SM_COUNT blocks (N = 2048 at m <= 16: 128 blocks) and K is at
+       least GEMM_TC_DEEP_K, GEMM_TC_SKINNY_DEEP_TILE: 256-deep slabs double each block's bytes in flight,
+       and a long K keeps its 4 K groups busy over many slabs.
+    NOTE: rules 2 to 4 follow from the shapes and the costs above, not from measurements yet: the benchmark
+    (tools/kernel_benchmarks/matmul.py) times each tile side by side at M = 16 .. 1024 on the 1B shapes.
+    """
+    if m > 64 and _blocks(GEMM_TC_TILE, m, n) >= GEMM_TC_BIG_BLOCKS:
+        return GEMM_TC_TILE
+    if m > 64 and _blocks(GEMM_TC_SMALL_TILE, m, n) >= GEMM_TC_BIG_BLOCKS:
+        return GEMM_TC_SMALL_TILE
+    skinny = GEMM_TC_SKINNY_TILES[16 if m <= 16 else 32]
+    tile = next((t for t in skinny if _blocks(t, m, n) >= SM_COUNT), None)
+    if tile is not None:
+        return tile
+    return GEMM_TC_SKINNY_DEEP_TILE if m <= 16 and k >= GEMM_TC_DEEP_K else skinny[-1]
+
+
+def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_inputs: bool = False):
+    """out = x @ W^T on tensor cores, any M, N, K: x as three bf16 pieces (bf16x3, fp32-exact products) or,
+    with bf16_inputs, rounded to the nearest bf16 (one piece, a third of the mma work).
+
+    tile: the block and warp tiles, K groups and stages; by default gemm_tc_tile(M, N, K) (GEMM_TC_SIM_TILE
+    in the simulator). The weight is read 4 bf16 per load through its uint64 view when K % 4 == 0 (and it is
+    C-contiguous), one bf16 per load otherwise.
     """
     M, N, K = _check_args(x, weight, out)
     if M == 0 or N == 0:
         return
-    tile = tile or gemm_tc_tile(M, N)
+    tile = GemmTcTile(*tile) if tile else (GEMM_TC_SIM_TILE if SIMULATOR else gemm_tc_tile(M, N, K))
     w_words = K % 4 == 0 and weight.is_c_contiguous()
-    kernel = _gemm_tc_kernel(*tile, w_words)
+    kernel = _gemm_tc_kernel(*tile, w_words, bool(bf16_inputs))
     grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
     kernel[grid, kernel.threads, stream](x, weight.view(np.uint64) if w_words else weight, out)
 
 
-def matmul(x, weight, out, stream=0):
+def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M, gemm_tc above.
 
+    bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
+    multiplied, by gemm_tc and gemm. NOTE: the gemv branch does not take it yet: the lead replaces gemv
+    (and this branch) with the new decode kernel, which will.
     NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
     barriers over Python threads (gemm_tc's own tests still run there)."""
     if len(getattr(x, "shape", ())) == 2 and x.shape[0] <= GEMV_MAX_M:
         gemv(x, weight, out, stream)
     elif SIMULATOR:
-        gemm(x, weight, out, stream)
+        gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)
     else:
-        gemm_tc(x, weight, out, stream)
+        gemm_tc(x, weight, out, stream, bf16_inputs=bf16_inputs)

@@ -4,6 +4,8 @@ and the tensor-core primitive of cuda_kernels/mma.py on its own.
 Every version is checked the same way: random x and bf16 W of hypothesis-chosen shapes and magnitudes, the
 output compared elementwise with a tolerance derived from the numerics (fp32 sums in another order than
 NumPy's), NaN confined to the row (of x) or column (of W) it came from, and the launchers' argument checks.
+With bf16_inputs the expected result is the reference on x rounded to bf16 (reference.bf16.round_to_bf16):
+the products stay exact, so the same tolerance applies. gemm_tc's tile policy is checked as a pure function.
 Simulator shapes are tiny; on the GPU profile the Llama-3.2-1B projection shapes are used.
 """
 
@@ -16,7 +18,7 @@ from numba import cuda
 
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
-from reference.bf16 import bf16_to_f32, f32_to_bf16
+from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.matmul import matmul as reference_matmul
 
 # Llama-3.2-1B weights as (N, K): QKV fused, O, gate/up fused, down, LM head.
@@ -49,8 +51,11 @@ def make_inputs(seed, m, n, k, x_scale=1.0, w_scale=1.0):
     return x, w
 
 
-def check(out, x, w):
-    """out == x @ W^T to within the fp32 summation error (elementwise, NaN where the reference has NaN)."""
+def check(out, x, w, bf16_inputs=False):
+    """out == x @ W^T to within the fp32 summation error (elementwise, NaN where the reference has NaN);
+    with bf16_inputs, x is rounded to bf16 first."""
+    if bf16_inputs:
+        x = round_to_bf16(x)
     want = reference_matmul(x, w)
     # absolute sum of each dot's terms: the scale of its rounding error (fp32 is plenty for a tolerance)
     magnitude = np.abs(x) @ np.abs(bf16_to_f32(w)).T
@@ -87,13 +92,13 @@ def run(launcher, x, w, **kwargs):
 # ---------------------------------------------------------------------------------------------------------
 
 @settings(max_examples=pick(8, 10))
-@given(seeds, sizes(9, [1, 2, 7]), weight_shapes(40, 80), x_scales, w_scales)
-def test_matmul_naive(seed, m, nk, x_scale, w_scale):
+@given(seeds, sizes(9, [1, 2, 7]), weight_shapes(40, 80), x_scales, w_scales, st.booleans())
+def test_matmul_naive(seed, m, nk, x_scale, w_scale, bf16_inputs):
     n, k = nk
     if not SIM:
         n, k = min(n, 4096), min(k, 2048)  # a teaching kernel: keep it to a few ms
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.matmul_naive, x, w), x, w)
+    check(run(mm.matmul_naive, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 GEMV_CONFIGS = [mm.GEMV_CONFIG, mm.GemvConfig(warps_per_block=3, rows_per_warp=1)]
@@ -117,13 +122,13 @@ def test_gemv(path, seed, m, nk, x_scale, w_scale, config):
 
 
 @settings(max_examples=pick(6, 15))
-@given(seeds, sizes(9, [16, 64, 256, 1024], 1100), weight_shapes(70, 40), x_scales, w_scales)
-def test_gemm(seed, m, nk, x_scale, w_scale):
+@given(seeds, sizes(9, [16, 64, 256, 1024], 1100), weight_shapes(70, 40), x_scales, w_scales, st.booleans())
+def test_gemm(seed, m, nk, x_scale, w_scale, bf16_inputs):
     """The engine's 64 x 64 tile. Simulator shapes: one tile row, one or two tile columns, partial K slabs."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemm, x, w), x, w)
+    check(run(mm.gemm, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 # Small tiles (64 threads) put many tiles and every kind of edge into shapes the simulator can afford.
@@ -132,12 +137,12 @@ SMALL_TILES = [mm.GemmTile(16, 16, 8, 2, 2), mm.GemmTile(32, 16, 8, 4, 2)]
 
 @settings(max_examples=pick(8, 10))
 @given(seeds, sizes(40, [16, 64, 256], 700), weight_shapes(40, 40), x_scales, w_scales,
-       st.sampled_from(SMALL_TILES))
-def test_gemm_small_tiles(seed, m, nk, x_scale, w_scale, tile):
+       st.sampled_from(SMALL_TILES), st.booleans())
+def test_gemm_small_tiles(seed, m, nk, x_scale, w_scale, tile, bf16_inputs):
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemm, x, w, tile=tile), x, w)
+    check(run(mm.gemm, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 @settings(max_examples=pick(5, 10))
@@ -167,57 +172,135 @@ def test_mma_fragment_random_values(seed, x_scale, w_scale):
     check(d, bf16_to_f32(a), w)
 
 
-def gemm_tc_tiles():
-    """Simulator: the engine's tile and two small ones (several warps along M and N with two k-steps per slab;
-    one warp with 2 x 2 mma tiles). GPU: the engine's two tiles and the same small ones."""
-    small = [mm.GemmTcTile(32, 16, 32, 16, 8), mm.GemmTcTile(32, 16, 16, 32, 16)]
-    engine = [mm.GEMM_TC_TILE] if SIM else [mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE]
-    return st.sampled_from(engine + small)
+# Every tile the policy can pick (and two-stage variants) on the GPU. The simulator affords only a few
+# hundred thread-mma per slab, so it runs the cheapest real skinny tiles and small tiles that take the same
+# code paths as the others: several warps along M and N, MI = NJ = 2 mma tiles per warp, 2 and 4 K groups,
+# two k-steps per group, two stages.
+GPU_TC_TILES = [mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, *[t for ts in mm.GEMM_TC_SKINNY_TILES.values() for t in ts],
+                mm.GEMM_TC_SKINNY_DEEP_TILE, mm.GEMM_TC_SMALL_TILE._replace(stages=2),
+                mm.GemmTcTile(16, 16, 128, 16, 8, 4, 2)]
+SIM_TC_TILES = [mm.GEMM_TC_SIM_TILE, mm.GemmTcTile(32, 16, 32, 16, 8), mm.GemmTcTile(32, 16, 16, 32, 16),
+                mm.GemmTcTile(32, 16, 64, 32, 16, 4), mm.GemmTcTile(16, 16, 64, 16, 16, 2, 2),
+                mm.GEMM_TC_SKINNY_TILES[16][-1], mm.GEMM_TC_SKINNY_DEEP_TILE]
+TC_TILES = SIM_TC_TILES if SIM else GPU_TC_TILES
 
 
-@settings(max_examples=pick(8, 20))
-@given(seeds, sizes(20, [16, 64, 256, 1024], 1100), weight_shapes(24, 40), x_scales, w_scales)
-def test_gemm_tc(seed, m, nk, x_scale, w_scale):
-    """The engine's tile choice (the launcher's default). K % 4 != 0 takes the bf16-at-a-time weight loads;
-    K not a multiple of 16 zero-pads the last slab; partial tiles along M and N."""
+@settings(max_examples=pick(6, 20))
+@given(seeds, sizes(20, [16, 64, 256, 1024], 1100), weight_shapes(24, 40), x_scales, w_scales, st.booleans())
+def test_gemm_tc(seed, m, nk, x_scale, w_scale, bf16_inputs):
+    """The launcher's default tile (the policy's on the GPU, GEMM_TC_SIM_TILE in the simulator). K % 4 != 0
+    takes the bf16-at-a-time weight loads; K not a multiple of 16 zero-pads the last slab; partial tiles."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemm_tc, x, w), x, w)
+    check(run(mm.gemm_tc, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
-@settings(max_examples=pick(8, 15))
-@given(seeds, sizes(40, [16, 64, 256, 1024], 700), weight_shapes(20, 40), gemm_tc_tiles())
-def test_gemm_tc_tiles(seed, m, nk, tile):
+@pytest.mark.parametrize("tile", TC_TILES, ids=lambda t: "x".join(map(str, t)))
+@settings(max_examples=pick(2, 8))
+@given(seeds, sizes(40, [16, 64, 256, 1024], 700), weight_shapes(36, 150), st.booleans())
+def test_gemm_tc_tiles(tile, seed, m, nk, bf16_inputs):
+    """Each tile, both precisions: partial tiles along M and N, K past one slab or short of it."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k)
-    check(run(mm.gemm_tc, x, w, tile=tile), x, w)
+    check(run(mm.gemm_tc, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
-def test_gemm_tc_keeps_infinity():
-    """An infinite activation is carried whole by the hi piece (inf - inf would make the others NaN)."""
+@pytest.mark.parametrize("launcher", [mm.matmul_naive, mm.gemm, mm.gemm_tc], ids=lambda f: f.__name__)
+def test_bf16_inputs_round_to_nearest_even(launcher):
+    """x @ I with x on and around bf16 rounding ties: out must be exactly x rounded to nearest, ties to even
+    (truncation, or ties away from zero, would differ in the last bf16 bit)."""
+    k = 24
+    base = f32_to_bf16(np.linspace(-3, 3, 2 * k, dtype=np.float32)).reshape(2, k)
+    bits = (base.astype(np.uint32) << np.uint32(16))
+    # +0x8000: exactly halfway to the next bf16 (ties, on even and odd mantissas); +0x7FFF / +0x8001: just off
+    offsets = np.array([0x8000, 0x7FFF, 0x8001], np.uint32)[:, None, None]
+    x = (bits[None] + offsets).reshape(6, k).view(np.float32)
+    w = f32_to_bf16(np.eye(k, dtype=np.float32))
+    np.testing.assert_array_equal(run(launcher, x, w, bf16_inputs=True).copy_to_host(), round_to_bf16(x))
+
+
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+def test_gemm_tc_keeps_infinity(bf16_inputs):
+    """An infinite activation is carried whole by the hi piece (inf - inf would make the others NaN), and
+    stays infinite when rounded to bf16."""
     x, w = make_inputs(0, 3, 5, 24)
     x[1, 7] = np.inf
     x[2, 3] = -np.inf
-    got = run(mm.gemm_tc, x, w).copy_to_host()
-    want = reference_matmul(x, w)
+    got = run(mm.gemm_tc, x, w, bf16_inputs=bf16_inputs).copy_to_host()
+    want = reference_matmul(round_to_bf16(x) if bf16_inputs else x, w)
     np.testing.assert_array_equal(got[1:], want[1:])   # +-inf in the infinite rows, signs per column
-    check(got[:1], x[:1], w)
+    check(got[:1], x[:1], w, bf16_inputs)
 
 
 @settings(max_examples=pick(5, 15))
-@given(seeds, sizes(12, [1, 2, 7, 8, 9, 16, 64, 256, 1024], 1100), weight_shapes(24, 40))
-def test_matmul_dispatch(seed, m, nk):
+@given(seeds, sizes(12, [1, 2, 7, 8, 9, 16, 64, 256, 1024], 1100), weight_shapes(24, 40), st.booleans())
+def test_matmul_dispatch(seed, m, nk, bf16_inputs):
     """The engine's entry point on both sides of GEMV_MAX_M, launched on a stream of its own."""
     n, k = nk
     m = cap_m(m, n, k)
+    # NOTE: the gemv branch (M <= GEMV_MAX_M, GPU only) does not take bf16_inputs yet: gemv is being replaced
+    bf16_inputs = bf16_inputs and m > mm.GEMV_MAX_M
     x, w = make_inputs(seed, m, n, k)
     stream = cuda.stream()
     out = stale_out(m, n)
-    mm.matmul(to_device(x), to_device(w), out, stream)
+    mm.matmul(to_device(x), to_device(w), out, stream, bf16_inputs=bf16_inputs)
     stream.synchronize()
-    check(out, x, w)
+    check(out, x, w, bf16_inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gemm_tc's tile policy (a pure function of the shape: the same on both profiles)
+# ---------------------------------------------------------------------------------------------------------
+
+T = mm.GemmTcTile
+SKINNY16, SKINNY32 = mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_TILES[32]
+
+
+@pytest.mark.parametrize("m, n, k, want", [
+    (16, 3072, 2048, T(16, 16, 128, 16, 8, 4)),     # QKV, decode 16: 192 blocks; 16 x 32 would give 96
+    (16, 16384, 2048, T(16, 64, 128, 16, 16, 4)),   # gate/up: 256 blocks at the widest
+    (9, 128256, 2048, T(16, 64, 128, 16, 16, 4)),   # LM head
+    (16, 2048, 2048, T(16, 16, 128, 16, 8, 4)),     # O: 128 blocks at the narrowest, short K
+    (16, 2048, 8192, mm.GEMM_TC_SKINNY_DEEP_TILE),  # down: 128 blocks at the narrowest, long K
+    (32, 3072, 2048, T(32, 16, 128, 32, 8, 4)),
+    (64, 3072, 2048, T(32, 32, 128, 32, 16, 4)),    # 2 x 96 blocks
+    (64, 2048, 8192, T(32, 16, 128, 32, 8, 4)),     # 2 x 64 of 32 x 32 is short of 132: 32 x 16
+    (128, 3072, 2048, T(32, 64, 64, 32, 16, 2)),    # 64 x 64 gives 96 blocks; 4 x 48 of 32 x 64
+    (256, 3072, 2048, mm.GEMM_TC_SMALL_TILE),       # measured: 129.6 us against 177.9 (128 x 128)
+    (256, 2048, 8192, mm.GEMM_TC_SMALL_TILE),       # measured: 404 against 696 us, 128 blocks
+    (256, 16384, 2048, mm.GEMM_TC_TILE),            # 256 big blocks
+    (1024, 2048, 8192, mm.GEMM_TC_TILE),            # measured: 705 against 957 us, 128 blocks
+])
+def test_gemm_tc_tile_policy_examples(m, n, k, want):
+    assert mm.gemm_tc_tile(m, n, k) == want
+
+
+def blocks(tile, m, n):
+    return -(-n // tile.bn) * -(-m // tile.bm)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 200_000), st.integers(1, 10_000))
+def test_gemm_tc_tile_policy_rules(m, n, k):
+    """The rules of gemm_tc_tile's docstring, for any shape; every pick fits shared memory in both modes."""
+    tile = mm.gemm_tc_tile(m, n, k)
+    assert all(mm.gemm_tc_shared_bytes(tile, bf16) <= mm.GEMM_TC_MAX_SHARED for bf16 in (False, True))
+    if m > 64 and blocks(mm.GEMM_TC_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
+        assert tile == mm.GEMM_TC_TILE
+        return
+    if m > 64 and blocks(mm.GEMM_TC_SMALL_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
+        assert tile == mm.GEMM_TC_SMALL_TILE
+        return
+    skinny = SKINNY16 if m <= 16 else SKINNY32
+    full = [t for t in skinny if blocks(t, m, n) >= mm.SM_COUNT]
+    if full:
+        assert tile == full[0]          # the widest that fills the SMs
+    elif m <= 16 and k >= mm.GEMM_TC_DEEP_K:
+        assert tile == mm.GEMM_TC_SKINNY_DEEP_TILE
+    else:
+        assert tile == skinny[-1]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -230,11 +313,18 @@ VERSIONS = {
     "gemm": mm.gemm,
     "gemm-small-tile": lambda x, w, out: mm.gemm(x, w, out, tile=SMALL_TILES[0]),
     "gemm_tc": mm.gemm_tc,
+    "gemm_tc-skinny": lambda x, w, out: mm.gemm_tc(x, w, out, tile=mm.GEMM_TC_SKINNY_TILES[16][-1]),
     "matmul": mm.matmul,
+}
+# bf16_inputs: a NaN x rounds to a NaN bf16, so it must stay as confined as in fp32 mode
+BF16_VERSIONS = {
+    "naive-bf16": lambda x, w, out: mm.matmul_naive(x, w, out, bf16_inputs=True),
+    "gemm-bf16": lambda x, w, out: mm.gemm(x, w, out, bf16_inputs=True),
+    "gemm_tc-bf16": lambda x, w, out: mm.gemm_tc(x, w, out, bf16_inputs=True),
 }
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", [*VERSIONS, *BF16_VERSIONS])
 @settings(max_examples=pick(3, 5))
 @given(seeds, st.integers(2, pick(9, 20)), weight_shapes(16, 20), st.data())
 def test_nan_row_and_column_stay_confined(version, seed, m, nk, data):
@@ -247,13 +337,14 @@ def test_nan_row_and_column_stay_confined(version, seed, m, nk, data):
     bad_m, bad_n = data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, n - 1))
     x[bad_m, data.draw(st.integers(0, k - 1))] = np.nan
     w[bad_n, data.draw(st.integers(0, k - 1))] = 0x7FC0  # a bf16 quiet NaN
-    out = run(VERSIONS[version], x, w).copy_to_host()
+    bf16_inputs = version in BF16_VERSIONS
+    out = run((BF16_VERSIONS if bf16_inputs else VERSIONS)[version], x, w).copy_to_host()
     poisoned = np.zeros((m, n), bool)
     poisoned[bad_m, :] = True
     poisoned[:, bad_n] = True
     assert np.isnan(out[poisoned]).all()
     assert not np.isnan(out[~poisoned]).any()
-    check(out, x, w)
+    check(out, x, w, bf16_inputs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -303,3 +394,24 @@ def test_uint64_weight_view_only_where_gemv_takes_it():
         mm.gemm(x, w.view(np.uint64), out)
     with pytest.raises(ValueError, match="weight must be uint16 bf16 bits, got uint64"):
         mm.gemm_tc(x, w.view(np.uint64), out)
+
+
+@pytest.mark.parametrize("tile, bf16_inputs, match", [
+    (T(16, 16, 24, 16, 8), False, r"gemm_tc tile \(16, 16, 24, 16, 8, 1, 1\): need bk % 16"),
+    (T(16, 16, 32, 16, 8, 3), False, r"\(bk / 16\) % kw all zero"),
+    (T(16, 16, 32, 16, 8, 0), False, r"kw >= 1"),
+    (T(16, 16, 32, 16, 8, 1, 3), False, r"stages 1 or 2"),
+    (T(128, 128, 32, 16, 16), False, r"gives 2048 threads per block \(max 1024\)"),
+    (T(128, 128, 32, 64, 32, 1, 2), False, r"needs 66560 bytes of shared memory \(max 49152\)"),
+    (T(32, 64, 128, 32, 16, 4), False, r"bf16_inputs=False\) needs 50176 bytes"),
+])
+def test_gemm_tc_rejects_bad_tiles(tile, bf16_inputs, match):
+    with pytest.raises(ValueError, match=match):
+        mm.gemm_tc(*_args(), tile=tile, bf16_inputs=bf16_inputs)
+
+
+def test_gemm_tc_shared_memory_of_one_plane():
+    """bf16_inputs stages one x plane instead of three: a two-stage 128 x 128 tile fits only that way."""
+    big2 = mm.GEMM_TC_TILE._replace(stages=2)
+    assert mm.gemm_tc_shared_bytes(big2, bf16_inputs=True) == 2 * mm.gemm_tc_shared_bytes(mm.GEMM_TC_TILE, True)
+    assert mm.gemm_tc_shared_bytes(big2, True) <= mm.GEMM_TC_MAX_SHARED < mm.gemm_tc_shared_bytes(big2, False)

@@ -3,16 +3,21 @@
 - gemv at M = 1 for each of the five weights and at M = 8 (decode): bandwidth-bound, so bytes_moved is the
   weight plus x and out (the weight is read once per launch at M <= 8);
 - gemm at M = 1024 (a 1024-token prefill chunk) for QKV, gate/up and down: flops = 2 M N K;
-- gemm_tc (tensor cores, bf16x3) at M = 256 and 1024 for QKV, gate/up, down and the LM head, with the
-  launcher's tile choice and the other of its two tiles as a labelled variant; flops = 2 M N K (the useful, or
-  effective, flops: the bf16x3 split issues 3 mma per product, so the tensor cores do 3x that work);
+- gemm_tc (tensor cores) at M = 16, 32, 64, 128, 256 and 1024 for QKV, O, gate/up, down and the LM head, in
+  fp32 mode (bf16x3: 3 mma per product) and with bf16_inputs (1 mma), with the policy's tile
+  (mm.gemm_tc_tile); flops = 2 M N K (the useful, or effective, flops), bytes_moved = W + x + out (what
+  bounds the skinny M). With ``--sweep`` every candidate tile of TC_CANDIDATES[M] is timed too, as a
+  labelled variant, so one GPU run compares the policy's choice with its alternatives;
 - matmul_naive at M = 1 on the O projection, the teaching baseline, for comparison;
 - a few labelled variants (gemv rows per warp, a 128 x 128 gemm tile) to re-tune the defaults on the GPU.
 Inputs are random (NumPy, fixed seed) and live on the device; every launch writes a preallocated `out`.
 
 tools/bench_kernels.py rates TFLOP/s against the fp32 FMA peak; for the tensor-core cases run this module,
-``python -m tools.kernel_benchmarks.matmul``, which times the gemm_tc cases alone and also gives the fraction
-of the measured mma.sync peak (359 TFLOP/s, GPU.md) and of its third, the bf16x3 ceiling.
+
+    python -m tools.kernel_benchmarks.matmul [--sweep] [--m 16 32 ...] [--weights qkv down ...]
+
+which times the gemm_tc cases alone and also gives GB/s of weight read and the fraction of the measured
+mma.sync peak (359 TFLOP/s, GPU.md) that the mma work reaches (3x the useful flops in fp32 mode).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (the numpy shim before numba.cuda, for `python -m` runs)
 from cuda_kernels import matmul as mm
 from numba import cuda
-from reference.bf16 import bf16_to_f32, f32_to_bf16
+from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.matmul import matmul as reference_matmul
 from tools.kernel_benchmarks.common import Case, time_launch
 
@@ -31,14 +36,43 @@ WEIGHTS = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("d
            ("lm_head", 128256, 2048)]
 EPS = float(np.finfo(np.float32).eps)
 MMA_PEAK_TFLOPS = 359.0   # mma.sync m16n8k16 bf16 in a register-only loop (GPU.md)
-TC_WEIGHTS = ("qkv", "gate_up", "down", "lm_head")
+TC_WEIGHTS = ("qkv", "o", "gate_up", "down", "lm_head")
+TC_MS = (16, 32, 64, 128, 256, 1024)
+_SKINNY = (*mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_DEEP_TILE, *mm.GEMM_TC_SKINNY_TILES[32])
+_PREFILL = (mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, mm.GEMM_TC_TILE._replace(stages=2),
+            mm.GEMM_TC_SMALL_TILE._replace(stages=2))
+# Tiles worth timing at each M (--sweep): the 16-row tiles only where M <= 16 (more rows would be re-read
+# per 16), the 32-row ones up to 128, the prefill tiles from 64; two-stage variants of the 16 x 16 and the
+# prefill tiles. A tile that does not fit in shared memory in a mode (the two-stage 128 x 128 in fp32) is
+# skipped there.
+TC_CANDIDATES = {
+    16: (*_SKINNY[:4], mm.GemmTcTile(16, 16, 128, 16, 8, 4, 2), mm.GEMM_TC_SMALL_TILE),
+    32: (*_SKINNY[4:], mm.GEMM_TC_SKINNY_TILES[16][-1], mm.GEMM_TC_SMALL_TILE),
+    64: (*_SKINNY[4:], *_PREFILL[1::2]),
+    128: (*_SKINNY[4:], *_PREFILL),
+    256: (mm.GEMM_TC_SKINNY_TILES[32][0], *_PREFILL),
+    1024: _PREFILL,
+}
 
 
-def _check_close(out, x, w):
+_last_reference: dict = {}
+
+
+def _reference(x, w, bf16_inputs):
+    """(x @ W^T, |x| @ |W|^T) of the reference, x rounded to bf16 if asked; the last pair is kept, because the
+    tile variants of one shape come one after another (an LM head at M = 1024 costs seconds on the CPU)."""
+    key = (id(x), id(w), bf16_inputs)
+    if key not in _last_reference:
+        _last_reference.clear()
+        xr = round_to_bf16(x) if bf16_inputs else x
+        _last_reference[key] = (reference_matmul(xr, w), np.abs(xr) @ np.abs(bf16_to_f32(w)).T)
+    return _last_reference[key]
+
+
+def _check_close(out, x, w, bf16_inputs=False):
     """out == x @ W^T within the fp32 summation error (as in tests/kernels/test_matmul_kernels.py)."""
     got = out.copy_to_host()
-    want = reference_matmul(x, w)
-    magnitude = np.abs(x) @ np.abs(bf16_to_f32(w)).T
+    want, magnitude = _reference(x, w, bf16_inputs)
     bound = 4 * EPS * np.sqrt(x.shape[1]) * magnitude + 2 * EPS * np.abs(want) + 1e-30
     err = np.abs(got - want)
     if not (err <= bound).all():  # NaN fails too
@@ -48,7 +82,8 @@ def _check_close(out, x, w):
 
 
 def _case(label, launcher, x, w, dx, dw, compute_bound, **kwargs):
-    """A case for one launcher: x (M, K) and w (N, K) on the host (for the check) and on the device."""
+    """A case for one launcher: x (M, K) and w (N, K) on the host (for the check) and on the device.
+    compute_bound: rate it by flops; None: by flops and bytes (gemm_tc, whose M spans both regimes)."""
     (m, k), n = x.shape, w.shape[0]
     dout = cuda.device_array((m, n), np.float32)
 
@@ -59,15 +94,24 @@ def _case(label, launcher, x, w, dx, dw, compute_bound, **kwargs):
         dout.copy_to_device(np.full((m, n), np.nan, np.float32))  # a kernel that skips an output must fail
         launch(0)
         cuda.synchronize()
-        _check_close(dout, x, w)
+        _check_close(dout, x, w, kwargs.get("bf16_inputs", False))
 
     name = f"{launcher.__name__} {label} {m}x{k} @ {n}x{k}^T"
+    if compute_bound is None:
+        return Case("matmul", name, launch, check, flops=2.0 * m * n * k,
+                    bytes_moved=dw.nbytes + dx.nbytes + dout.nbytes)
     if compute_bound:
         return Case("matmul", name, launch, check, flops=2.0 * m * n * k)
     return Case("matmul", name, launch, check, bytes_moved=dw.nbytes + dx.nbytes + dout.nbytes)
 
 
-def cases(tensor_core_only: bool = False) -> list[Case]:
+def _tile_label(tile) -> str:
+    return "x".join(map(str, tile))
+
+
+def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights=None) -> list[Case]:
+    """All matmul cases (tensor_core_only: the gemm_tc ones); sweep adds every TC_CANDIDATES tile as a variant;
+    ms and weights narrow the gemm_tc cases to those M and weight names."""
     rng = np.random.default_rng(0)
     xs = {}  # (m, k) -> (host x, device x), shared by the cases
 
@@ -79,16 +123,23 @@ def cases(tensor_core_only: bool = False) -> list[Case]:
 
     out = []
     for wname, n, k in WEIGHTS:
+        if weights and wname not in weights:
+            continue
         w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
         dw = cuda.to_device(w)
         if wname in TC_WEIGHTS:
-            for m in (256, 1024):
+            for m in ms:
                 x, dx = activations(m, k)
-                chosen = mm.gemm_tc_tile(m, n)
-                out.append(_case(f"{wname} (tile {tuple(chosen)})", mm.gemm_tc, x, w, dx, dw, True))
-                other = mm.GEMM_TC_SMALL_TILE if chosen == mm.GEMM_TC_TILE else mm.GEMM_TC_TILE
-                label = f"{wname} (variant: tile {tuple(other)})"
-                out.append(_case(label, mm.gemm_tc, x, w, dx, dw, True, tile=other))
+                chosen = mm.gemm_tc_tile(m, n, k)
+                for bf16 in (False, True):
+                    mode = "bf16" if bf16 else "fp32"
+                    out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", mm.gemm_tc, x, w, dx, dw,
+                                     None, tile=chosen, bf16_inputs=bf16))
+                    for tile in TC_CANDIDATES.get(m, ()) if sweep else ():
+                        if tile == chosen or mm.gemm_tc_shared_bytes(tile, bf16) > mm.GEMM_TC_MAX_SHARED:
+                            continue
+                        out.append(_case(f"{wname} {mode} (variant: tile {_tile_label(tile)})", mm.gemm_tc,
+                                         x, w, dx, dw, None, tile=tile, bf16_inputs=bf16))
         if tensor_core_only:
             continue
         for m in (1, 8):
@@ -113,15 +164,27 @@ def cases(tensor_core_only: bool = False) -> list[Case]:
 
 
 def main() -> None:
-    """Time the gemm_tc cases; print effective TFLOP/s and the fractions of the mma.sync peak."""
-    print("| case | time (us) | TFLOP/s (2MNK/t) | % of mma peak (359) | % of bf16x3 ceiling (359/3) |")
+    """Time the gemm_tc cases; print effective TFLOP/s, weight GB/s and the fraction of the mma.sync peak."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate tile (TC_CANDIDATES)")
+    parser.add_argument("--m", type=int, nargs="+", default=list(TC_MS), help="M values (default: all)")
+    parser.add_argument("--weights", nargs="+", choices=TC_WEIGHTS, help="weights (default: all)")
+    args = parser.parse_args()
+    print("| case | time (us) | TFLOP/s (2MNK/t) | GB/s (W + x + out) | % of mma peak (359), mma work |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for case in cases(tensor_core_only=True):
-        case.check()
-        seconds = time_launch(case.launch)
+    for case in cases(tensor_core_only=True, sweep=args.sweep, ms=args.m, weights=args.weights):
+        try:
+            case.check()
+            seconds = time_launch(case.launch)
+        except Exception as exc:  # report and go on: one bad tile must not cost the rest of the GPU run
+            print(f"| {case.name} | FAILED: {type(exc).__name__}: {str(exc)[:120]} | | | |", flush=True)
+            continue
         tflops = case.flops / seconds / 1e12
-        peak = 100 * tflops / MMA_PEAK_TFLOPS
-        print(f"| {case.name} | {seconds * 1e6:,.1f} | {tflops:.1f} | {peak:.1f}% | {3 * peak:.1f}% |", flush=True)
+        work = 1 if " bf16 " in case.name else 3   # mma issued per useful product
+        print(f"| {case.name} | {seconds * 1e6:,.1f} | {tflops:.1f} | {case.bytes_moved / seconds / 1e9:,.0f} | "
+              f"{100 * work * tflops / MMA_PEAK_TFLOPS:.1f}% |", flush=True)
 
 
 if __name__ == "__main__":
