@@ -77,6 +77,7 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from numba import cuda, float32, uint32, uint64
 
+from cuda_kernels import gemv as gemv_family
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.mma import mma_bf16_m16n8k16
 from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, f32_to_bf16, round_bf16, warp_sum
@@ -769,7 +770,7 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
     NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
     barriers over Python threads (gemm_tc's own tests still run there)."""
     if len(getattr(x, "shape", ())) == 2 and x.shape[0] <= GEMV_MAX_M:
-        gemv(x, weight, out, stream)
+        gemv_family.gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
     elif SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)
     else:

@@ -37,6 +37,18 @@ def test_cuda_engine_in_the_simulator_equals_the_cpu_reference(tiny_model_dir):
     assert gpu.engine.block_manager.num_free_blocks == gpu.engine.block_manager.num_blocks
 
 
+@pytest.mark.skipif(GPU, reason="the simulator version of the GPU tests below")
+def test_bf16_matmul_precision_in_the_simulator_equals_the_cpu_reference(tiny_model_dir):
+    prompts = [[256, 1, 2, 3, 4, 5], [256, 40, 41]]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    cpu = LLM(tiny_model_dir, backend="cpu", block_size=4, matmul_precision="bf16")
+    gpu = LLM(tiny_model_dir, backend="cuda", block_size=4, max_num_seqs=2, num_kv_blocks=8,
+              matmul_precision="bf16")
+    assert gpu.engine.runner.bf16_inputs
+    assert tokens(gpu.generate(prompts, greedy, use_tqdm=False)) == tokens(cpu.generate(prompts, greedy,
+                                                                                        use_tqdm=False))
+
+
 # --- on the GPU, Llama-3.2-1B shapes ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -54,15 +66,18 @@ def gpu_llm(llama_1b):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
-def test_first_step_logits_match_the_reference(llama_1b, gpu_llm):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_first_step_logits_match_the_reference(llama_1b, gpu_llm, precision):
     from reference.llama import ReferenceLlama
     from tinyvllm.batch import pack
     from tinyvllm.scheduler import ScheduledSequence
     from tinyvllm.sequence import Sequence
     from tinyvllm.weights import load_weights
 
-    engine = gpu_llm.engine
-    ref = ReferenceLlama(engine.config, load_weights(llama_1b, engine.config))
+    llm = gpu_llm if precision == "fp32" else LLM(llama_1b, backend="cuda", num_kv_blocks=512,
+                                                  matmul_precision=precision)
+    engine = llm.engine
+    ref = ReferenceLlama(engine.config, load_weights(llama_1b, engine.config), matmul_precision=precision)
     rng = np.random.default_rng(1)
     seqs = [Sequence(str(i), rng.integers(0, 10000, n).tolist(), SamplingParams(temperature=0), 0) for i, n in
             enumerate((128, 37, 1))]

@@ -9,7 +9,7 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
    flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
-   RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul] -> final residual + RMSNorm -> gather of the
+   RMSNorm -> gate/up matmul -> SiLU*mul (one kernel with the matmul at decode sizes) -> down matmul] -> final residual + RMSNorm -> gather of the
    sampled rows -> LM head on those rows only;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
@@ -33,7 +33,7 @@ from functools import partial
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import activation, attention, embedding, matmul, paged_attention, rmsnorm, rope, sampling
+from cuda_kernels import activation, attention, embedding, gemv, matmul, paged_attention, rmsnorm, rope, sampling
 from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
@@ -55,8 +55,7 @@ class CUDARunner:
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
                  enforce_eager: bool = False, matmul_precision: str = "fp32"):
         c = self.config = config
-        if matmul_precision != "fp32":
-            raise NotImplementedError("the CUDA runner's bf16 matmul precision lands with its kernels")
+        self.bf16_inputs = matmul_precision == "bf16"   # matmul inputs rounded to bf16 (reference/matmul.py)
         self.block_size = block_size
         self.max_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
@@ -189,6 +188,7 @@ class CUDARunner:
         x, h, sub, qkv, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.qkv, self.q, self.attn))
         gate_up, act = self.gate_up[:t], self.act[:t]
         decode = max_q_len == 1
+        mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs)
         if chained:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
@@ -197,7 +197,7 @@ class CUDARunner:
                 rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream)
             else:
                 rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
-            matmul.matmul(h, layer["qkv"], qkv, stream)
+            mm(h, layer["qkv"], qkv, stream)
             rope.rope_kv_write(qkv, pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots, q, stream)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
@@ -205,17 +205,20 @@ class CUDARunner:
             else:
                 self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
                                        self.scale, attn, max_q_len, stream)
-            matmul.matmul(attn.reshape(t, c.q_size), layer["o"], sub, stream)
+            mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
-            matmul.matmul(h, layer["gate_up"], gate_up, stream)
-            activation.silu_and_mul(gate_up, act, stream)
-            matmul.matmul(act, layer["down"], sub, stream)
+            if t <= matmul.GEMV_MAX_M:  # decode: gate/up, SiLU and the product in one kernel
+                gemv.gemv_silu_mul(h, layer["gate_up"], act, stream, bf16_inputs=self.bf16_inputs)
+            else:
+                mm(h, layer["gate_up"], gate_up, stream)
+                activation.silu_and_mul(gate_up, act, stream)
+            mm(act, layer["down"], sub, stream)
         if n == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
         last, logits, tokens = self.last[:n], self.logits[:n], self.tokens[:n]
         embedding.gather_rows(h, v["logits_indices"], last, stream)
-        matmul.matmul(last, self.lm_head, logits, stream)
+        mm(last, self.lm_head, logits, stream)
         if greedy:
             sampling.argmax(logits, tokens, stream)
         else:
