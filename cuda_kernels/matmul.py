@@ -7,7 +7,7 @@ stores it); out (M, N) float32, written by the kernel (the caller allocates it).
 V as one weight; gate and up as one) are the same op on row-concatenated weights. Twin: reference/matmul.py.
 
 Two input precisions (the engine's matmul_precision): "fp32" (the default) multiplies x as it is;
-"bf16" (``bf16_inputs=True`` on matmul_naive, gemm, gemm_tc and matmul; what vLLM and HF transformers do)
+"bf16" (``bf16_inputs=True`` on every launcher; what vLLM and HF transformers do)
 multiplies bf16(x), x rounded to the nearest bf16 (ties to even, primitives.round_bf16):
 
     out[m, n] = sum_k bf16(x[m, k]) * bf16_to_f32(W[n, k])
@@ -77,7 +77,6 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from numba import cuda, float32, uint32, uint64
 
-from cuda_kernels import gemv as gemv_family
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.mma import mma_bf16_m16n8k16
 from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, f32_to_bf16, round_bf16, warp_sum
@@ -221,8 +220,9 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int):
-    """The gemv kernel for m_tile activation rows per block and rows_per_warp weight rows per warp."""
+def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, bf16_inputs: bool):
+    """The gemv kernel for m_tile activation rows per block and rows_per_warp weight rows per warp; with
+    bf16_inputs every x is rounded to the nearest bf16 as it is read."""
     MT = m_tile
     R = rows_per_warp
     ROWS_PER_BLOCK = warps_per_block * rows_per_warp
@@ -267,6 +267,8 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int):
                 x1 = x[mi, k + 1]
                 x2 = x[mi, k + 2]
                 x3 = x[mi, k + 3]
+                if bf16_inputs:
+                    x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
                 for r in range(R):
                     a = acc[mm * R + r]
                     a += x0 * wf[4 * r]
@@ -281,6 +283,8 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int):
                 wf[r] = bf16_to_f32(w16[min(n0 + r, N - 1), k])
             for mm in range(MT):
                 xv = x[min(m0 + mm, M - 1), k]
+                if bf16_inputs:
+                    xv = round_bf16(xv)
                 for r in range(R):
                     acc[mm * R + r] += xv * wf[r]
 
@@ -668,7 +672,7 @@ def matmul_naive(x, weight, out, stream=0, bf16_inputs: bool = False):
     _matmul_naive_kernel(bool(bf16_inputs))[grid, (_NAIVE_BLOCK_N, 1), stream](x, weight, out)
 
 
-def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG):
+def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG, bf16_inputs: bool = False):
     """out = x @ W^T for small M (decode), one warp per weight row (or rows_per_warp rows).
 
     weight is the (N, K) uint16 array, or its uint64 view (N, K/4) (``weight.view(np.uint64)``, no copy),
@@ -688,7 +692,7 @@ def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG):
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
-    kernel = _gemv_kernel(m_tile, config.warps_per_block, config.rows_per_warp)
+    kernel = _gemv_kernel(m_tile, config.warps_per_block, config.rows_per_warp, bool(bf16_inputs))
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
     kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv)
 
@@ -765,12 +769,11 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M, gemm_tc above.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
-    multiplied, by gemm_tc and gemm. NOTE: the gemv branch does not take it yet: the lead replaces gemv
-    (and this branch) with the new decode kernel, which will.
+    multiplied, by whichever kernel runs.
     NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
     barriers over Python threads (gemm_tc's own tests still run there)."""
     if len(getattr(x, "shape", ())) == 2 and x.shape[0] <= GEMV_MAX_M:
-        gemv_family.gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
+        gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
     elif SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)
     else:

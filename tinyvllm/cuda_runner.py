@@ -9,7 +9,7 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
    flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
-   RMSNorm -> gate/up matmul -> SiLU*mul (one kernel with the matmul at decode sizes) -> down matmul] -> final residual + RMSNorm -> gather of the
+   RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul] -> final residual + RMSNorm -> gather of the
    sampled rows -> LM head on those rows only;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
@@ -33,7 +33,7 @@ from functools import partial
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import activation, attention, embedding, gemv, matmul, paged_attention, rmsnorm, rope, sampling
+from cuda_kernels import activation, attention, embedding, matmul, paged_attention, rmsnorm, rope, sampling
 from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
@@ -207,11 +207,8 @@ class CUDARunner:
                                        self.scale, attn, max_q_len, stream)
             mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
-            if t <= matmul.GEMV_MAX_M:  # decode: gate/up, SiLU and the product in one kernel
-                gemv.gemv_silu_mul(h, layer["gate_up"], act, stream, bf16_inputs=self.bf16_inputs)
-            else:
-                mm(h, layer["gate_up"], gate_up, stream)
-                activation.silu_and_mul(gate_up, act, stream)
+            mm(h, layer["gate_up"], gate_up, stream)
+            activation.silu_and_mul(gate_up, act, stream)
             mm(act, layer["down"], sub, stream)
         if n == 0:
             return

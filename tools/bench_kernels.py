@@ -26,7 +26,7 @@ from numba import cuda  # noqa: E402
 
 from tools.kernel_benchmarks.common import time_launch  # noqa: E402
 
-FAMILIES = ("rows", "matmul", "gemv", "attention", "sampling")
+FAMILIES = ("rows", "matmul", "attention", "sampling")
 FP32_PEAK_TFLOPS = 67.0
 
 

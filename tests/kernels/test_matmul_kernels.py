@@ -107,18 +107,19 @@ GEMV_CONFIGS = [mm.GEMV_CONFIG, mm.GemvConfig(warps_per_block=3, rows_per_warp=1
 @pytest.mark.parametrize("path", ["u64", "u64-view-given", "scalar"])
 @settings(max_examples=pick(4, 15))
 @given(seeds, sizes(9, [1, 2, 3, 7, 8], 16), weight_shapes(20, 64), x_scales, w_scales,
-       st.sampled_from(GEMV_CONFIGS))
-def test_gemv(path, seed, m, nk, x_scale, w_scale, config):
+       st.sampled_from(GEMV_CONFIGS), st.booleans())
+def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
     """Any M (chunks of up to 8 rows), odd N (partial blocks); 64-bit loads when K % 4 == 0 (the launcher
-    views W as uint64, or the caller passes the view), the scalar path for other K."""
+    views W as uint64, or the caller passes the view), the scalar path for other K; both input precisions."""
     n, k = nk
     k = 4 * max(1, k // 4) if path != "scalar" else (k if k % 4 else k + 1)
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
     out = stale_out(m, n)
     w_dev = to_device(w)
-    mm.gemv(to_device(x), w_dev.view(np.uint64) if path == "u64-view-given" else w_dev, out, config=config)
-    check(out, x, w)
+    mm.gemv(to_device(x), w_dev.view(np.uint64) if path == "u64-view-given" else w_dev, out, config=config,
+            bf16_inputs=bf16_inputs)
+    check(out, x, w, bf16_inputs)
 
 
 @settings(max_examples=pick(6, 15))
@@ -240,8 +241,6 @@ def test_matmul_dispatch(seed, m, nk, bf16_inputs):
     """The engine's entry point on both sides of GEMV_MAX_M, launched on a stream of its own."""
     n, k = nk
     m = cap_m(m, n, k)
-    # NOTE: the gemv branch (M <= GEMV_MAX_M, GPU only) does not take bf16_inputs yet: gemv is being replaced
-    bf16_inputs = bf16_inputs and m > mm.GEMV_MAX_M
     x, w = make_inputs(seed, m, n, k)
     stream = cuda.stream()
     out = stale_out(m, n)
