@@ -140,8 +140,9 @@ def test_warm_up_reaches_every_decode_batch_size(bench, tiny_model_dir, num_seqs
 
     llm = LLM(tiny_model_dir, backend="cpu", max_num_seqs=num_seqs, enable_prefix_caching=False)
     sizes = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda scheduled: sizes.append(
-        len(scheduled) if all(item.num_new_tokens == 1 for item in scheduled) else 0) or execute(scheduled)
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda scheduled, chain_src=None: sizes.append(
+        len(scheduled) if all(item.num_new_tokens == 1 for item in scheduled) else 0) or launch(scheduled,
+                                                                                             chain_src)
     bench.warm_up(llm, np.random.default_rng(0), num_seqs, 40, 200)
     assert set(range(1, num_seqs + 1)) <= set(sizes)  # 0 marks a step with a prefill in it
