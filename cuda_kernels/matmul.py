@@ -20,12 +20,15 @@ Thread mappings:
 - ``matmul_naive``: grid = (ceil(N / 128), M), block = (128, 1); thread (n, m) computes out[m, n] with a
   plain loop over K.
 - ``gemv`` (decode, small M): grid = (ceil(N / rows_per_block), ceil(M / m_tile)), block = 32 * warps,
-  rows_per_block = warps * rows_per_warp; warp w of block (bx, by) owns weight rows
-  (bx * warps + w) * rows_per_warp + r and activation rows by * m_tile + mm (m_tile in 1, 2, 4, 8, the
-  smallest >= M). Lane i reads the uint64 words i, i + 32, ... of each of its weight rows (4 bf16 per
-  load: a warp reads 256 contiguous bytes per row), widens them once and multiplies them by all m_tile
-  activation rows; a warp_sum per (row, m) gives the dot. When K % 4 != 0 (no uint64 view) lane i reads
-  the bf16 at k = i, i + 32, ... instead.
+  rows_per_block = (warps / k_split) * rows_per_warp; warp w of block (bx, by) owns weight rows
+  (bx * warps / k_split + w // k_split) * rows_per_warp + r, K part w % k_split, and activation rows
+  by * m_tile + mm (m_tile in 1, 2, 4, 8, the smallest >= M). A row's uint64 words (4 bf16 each) are
+  consumed in passes of 32 * unroll * k_split words: in each pass part p reads the unroll runs of 32 words
+  starting at (p * unroll + u) * 32, lane i word i of each run (a warp load reads 256 contiguous bytes),
+  all unroll * rows_per_warp loads issued before the first is used; each word is widened once and
+  multiplied by all m_tile activation rows. A warp_sum per (row, m) gives a part's dot; with k_split > 1
+  the parts meet in shared memory and are added in part order. When K % 4 != 0 (no uint64 view) the
+  bf16 at k = i, i + 32, ... are read one at a time instead. gemv_config(M, N, K) picks the configuration.
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
@@ -57,7 +60,10 @@ per tile (the ceiling is the whole mma peak) and a third of the x staging and it
 
 Versions:
 1. matmul_naive: one thread per output, uncoalesced W reads. The teaching baseline.
-2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows.
+2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows;
+   several loads per row in flight per lane and, for few rows, K split over the warps of a block (the
+   first version, GemvConfig(), issued one load per row at a time: 1.6-2.5x slower on the 1B weights of
+   fewer than 8192 rows, gemv_config's docstring).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
 4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
    rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
@@ -81,13 +87,16 @@ from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.mma import mma_bf16_m16n8k16
 from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, f32_to_bf16, round_bf16, warp_sum
 
-# Largest M that the engine's matmul sends to gemv; above it the tiled gemm wins (gemv reads W once per
-# m_tile rows of x, gemm once per BM rows). NOTE: a first guess from the shapes, to be re-measured on the GPU.
+# Largest M that the engine's matmul sends to gemv (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or
+# more); above it gemm_tc. NOTE: measured on the H200, cold weights: at M = 8 gemv beat gemm_tc's skinny
+# tile on QKV, O and down (19 / 14 / 50 us against 25 / 21 / 78) but lost on gate/up and the LM head
+# (83 / 560 against 50 / 377); at M = 4 it won on all five (gate/up 42 against 50).
 GEMV_MAX_M = 8
+GEMV_WIDE_MAX_M = 4
 if SIMULATOR:
     # Each simulated warp reduction is two block barriers over Python threads: the engine's matmuls take the
     # barrier-light tiled path there (the kernel tests still run gemv itself in the simulator).
-    GEMV_MAX_M = 0
+    GEMV_MAX_M = GEMV_WIDE_MAX_M = 0
 
 # gemv compiles one kernel per m_tile (accumulators are registers, so their count must be a constant).
 _GEMV_M_TILES = (1, 2, 4, 8)
@@ -96,6 +105,8 @@ _GEMV_M_TILES = (1, 2, 4, 8)
 class GemvConfig(NamedTuple):
     warps_per_block: int = 4
     rows_per_warp: int = 2   # rows sharing one pass over x: more loads in flight per lane, x loads reused
+    unroll: int = 1          # 64-bit loads per row a lane issues before using the first
+    k_split: int = 1         # warps of a block splitting each row's K (warps_per_block % k_split == 0)
 
 
 class GemmTile(NamedTuple):
@@ -114,11 +125,15 @@ class GemmTcTile(NamedTuple):
     wn: int = 32   # columns of the warp tile, a multiple of 8 (n8 of the mma)
     kw: int = 1    # K groups: warps splitting each slab's k-steps over the same warp tiles (bk/16 % kw == 0)
     stages: int = 1  # shared-memory slab buffers: 2 = one block barrier per slab instead of two
+    min_blocks: int = 0  # blocks per SM the registers must allow (ptxas launch bounds); 0: ptxas decides
 
 
+# gemv_config's choices (measured; see its docstring; GemvConfig() is the first version's one-load loop)
+GEMV_WIDE, GEMV_LONG_K, GEMV_SPLIT = GemvConfig(4, 4, 2, 2), GemvConfig(8, 2, 4, 4), GemvConfig(8, 4, 2, 4)
+GEMV_WIDE_M, GEMV_LONG_K_M, GEMV_SPLIT_M = GemvConfig(4, 2, 4, 1), GemvConfig(8, 2, 2, 4), GemvConfig(4, 2, 4, 2)
+GEMV_WIDE_N = 8192
 # The simulator runs one Python thread per CUDA thread: fewer, busier threads keep engine tests affordable
 # there (the kernel tests cover the GPU's configurations too).
-GEMV_CONFIG = GemvConfig()
 GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
 
 # gemm_tc tiles (gemm_tc_tile picks one; every one can also be passed as gemm_tc's `tile`). Static shared
@@ -137,9 +152,13 @@ GEMM_TC_SKINNY_TILES = {
     32: (GemmTcTile(32, 64, 64, 32, 16, 2), GemmTcTile(32, 32, 128, 32, 16, 4),
          GemmTcTile(32, 16, 128, 32, 8, 4)),
 }
+# In fp32 mode the 32-row tiles are compiled for two blocks per SM (SKINNY32_FP32_MIN_BLOCKS, see gemm_tc_tile).
+SKINNY32_FP32_MIN_BLOCKS = 2
 # The narrowest 16-row tile with 256-deep slabs: twice the weight bytes in flight per block, for long K.
 GEMM_TC_SKINNY_DEEP_TILE = GemmTcTile(16, 16, 256, 16, 8, 4)
 GEMM_TC_BIG_BLOCKS = 128       # the big tile from this many blocks up (measured, see gemm_tc_tile)
+GEMM_TC_SMALL_MIN_M = 256      # the 64 x 64 tile only above this M (measured, see gemm_tc_tile)
+GEMM_TC_SKINNY_BLOCKS = 2 * SM_COUNT // 3   # the widest skinny tile with at least this many blocks
 GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes the deep slabs
 # Simulator default: 4 warps (2 along N, 2 K groups) with one k-step each, every code path at 128 threads.
 GEMM_TC_SIM_TILE = GemmTcTile(16, 16, 32, 16, 8, 2)
@@ -220,14 +239,22 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, bf16_inputs: bool):
-    """The gemv kernel for m_tile activation rows per block and rows_per_warp weight rows per warp; with
+def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
+                 bf16_inputs: bool):
+    """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
+    64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; with
     bf16_inputs every x is rounded to the nearest bf16 as it is read."""
     MT = m_tile
     R = rows_per_warp
-    ROWS_PER_BLOCK = warps_per_block * rows_per_warp
+    U = unroll
+    S = k_split
+    ROW_WARPS = warps_per_block // S        # warps with distinct rows; S warps share each row group
+    ROWS_PER_BLOCK = ROW_WARPS * R
     NACC = MT * R
-    NWF = 4 * R  # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
+    NW = U * R                              # weight words in flight per lane
+    STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
+    # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
+    RED_SHAPE = (ROW_WARPS, NACC, S)
 
     @cuda.jit
     def gemv_kernel(x, w64, w16, out, kv):
@@ -239,60 +266,95 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, bf16_inp
         N = w16.shape[0]
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        n0 = (cuda.blockIdx.x * warps_per_block + warp) * R
+        part = warp % S
+        n0 = (cuda.blockIdx.x * ROW_WARPS + warp // S) * R
         m0 = cuda.blockIdx.y * MT
         # NOTE: warps past the last weight row (and m past the last x row) do not return early: every lane of
         # the block must reach every warp_sum (shuffles need the whole warp; the simulator's version
-        # synchronises the block). They work on a clamped, valid row and skip the store instead, which also
-        # keeps bounds checks out of the inner loop.
+        # synchronises the block) and the barrier of the K-split reduction. They work on a clamped, valid
+        # row and skip the store instead, which also keeps bounds checks out of the inner loop.
         acc = cuda.local.array(NACC, float32)
-        wf = cuda.local.array(NWF, float32)
+        wv = cuda.local.array(NW, uint64)
         for i in range(NACC):
             acc[i] = float32(0)
 
-        # Main loop: one 64-bit load brings 4 bf16; the warp reads 256 contiguous bytes per row per step.
-        for j in range(lane, kv, WARP):
+        # Main loop: pass c covers words [c*STEP, (c+1)*STEP) of every row; this warp's share is the U runs
+        # of 32 words at c*STEP + (part*U + u)*32, lane i taking word i of each run (a warp load reads 256
+        # contiguous bytes). All U*R loads are issued before the first is used: that many 8-byte loads in
+        # flight per lane is what keeps enough bytes in flight per SM to approach the DRAM bandwidth.
+        full = (kv // STEP) * STEP
+        for j0 in range(part * U * WARP + lane, full, STEP):
+            for u in range(U):
+                for r in range(R):
+                    wv[u * R + r] = w64[min(n0 + r, N - 1), j0 + u * WARP]
+            for u in range(U):
+                k = 4 * (j0 + u * WARP)
+                for mm in range(MT):
+                    mi = min(m0 + mm, M - 1)
+                    x0 = x[mi, k]
+                    x1 = x[mi, k + 1]
+                    x2 = x[mi, k + 2]
+                    x3 = x[mi, k + 3]
+                    if bf16_inputs:
+                        x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
+                    for r in range(R):
+                        w0, w1 = _low_pair(wv[u * R + r])
+                        w2, w3 = _high_pair(wv[u * R + r])
+                        a = acc[mm * R + r]
+                        a += x0 * w0
+                        a += x1 * w1
+                        a += x2 * w2
+                        a += x3 * w3
+                        acc[mm * R + r] = a
+
+        # The words past the last whole pass, one per lane at a time, spread over the S warps the same way.
+        for j in range(full + part * WARP + lane, kv, WARP * S):
             for r in range(R):
-                word = w64[min(n0 + r, N - 1), j]
-                w0, w1 = _low_pair(word)
-                w2, w3 = _high_pair(word)
-                wf[4 * r] = w0
-                wf[4 * r + 1] = w1
-                wf[4 * r + 2] = w2
-                wf[4 * r + 3] = w3
+                wv[r] = w64[min(n0 + r, N - 1), j]
             k = 4 * j
             for mm in range(MT):
                 mi = min(m0 + mm, M - 1)
-                x0 = x[mi, k]
-                x1 = x[mi, k + 1]
-                x2 = x[mi, k + 2]
-                x3 = x[mi, k + 3]
+                x0, x1, x2, x3 = x[mi, k], x[mi, k + 1], x[mi, k + 2], x[mi, k + 3]
                 if bf16_inputs:
                     x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
                 for r in range(R):
-                    a = acc[mm * R + r]
-                    a += x0 * wf[4 * r]
-                    a += x1 * wf[4 * r + 1]
-                    a += x2 * wf[4 * r + 2]
-                    a += x3 * wf[4 * r + 3]
-                    acc[mm * R + r] = a
+                    w0, w1 = _low_pair(wv[r])
+                    w2, w3 = _high_pair(wv[r])
+                    acc[mm * R + r] += x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3
 
         # Scalar tail: the K % 4 columns a uint64 view cannot cover (all of K when there is no view).
-        for k in range(4 * kv + lane, K, WARP):
-            for r in range(R):
-                wf[r] = bf16_to_f32(w16[min(n0 + r, N - 1), k])
+        for k in range(4 * kv + part * WARP + lane, K, WARP * S):
             for mm in range(MT):
                 xv = x[min(m0 + mm, M - 1), k]
                 if bf16_inputs:
                     xv = round_bf16(xv)
                 for r in range(R):
-                    acc[mm * R + r] += xv * wf[r]
+                    acc[mm * R + r] += xv * bf16_to_f32(w16[min(n0 + r, N - 1), k])
 
-        for mm in range(MT):
-            for r in range(R):
-                total = warp_sum(acc[mm * R + r])
-                if lane == 0 and m0 + mm < M and n0 + r < N:
-                    out[m0 + mm, n0 + r] = total
+        if S == 1:
+            for mm in range(MT):
+                for r in range(R):
+                    total = warp_sum(acc[mm * R + r])
+                    if lane == 0 and m0 + mm < M and n0 + r < N:
+                        out[m0 + mm, n0 + r] = total
+        else:
+            # the S warps of a row group add their warp sums in part order (deterministic) through shared memory
+            red = cuda.shared.array(RED_SHAPE, float32)
+            for i in range(NACC):
+                total = warp_sum(acc[i])
+                if lane == 0:
+                    red[warp // S, i, part] = total
+            cuda.syncthreads()
+            t = cuda.threadIdx.x
+            if t < ROW_WARPS * NACC:
+                group, i = t // NACC, t % NACC
+                mm, r = i // R, i % R
+                m, n = m0 + mm, (cuda.blockIdx.x * ROW_WARPS + group) * R + r
+                total = red[group, i, 0]
+                for p in range(1, S):
+                    total += red[group, i, p]
+                if m < M and n < N:
+                    out[m, n] = total
 
     gemv_kernel.rows_per_block = ROWS_PER_BLOCK
     return gemv_kernel
@@ -383,6 +445,12 @@ def _gemm_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, bf16_inputs: bool)
     return gemm_kernel
 
 
+def _occupancy(threads: int, min_blocks: int) -> dict:
+    """cuda.jit options asking ptxas to fit `min_blocks` blocks of `threads` threads per SM in registers
+    (spilling if it must); none for min_blocks 0, or in the simulator (which refuses launch_bounds)."""
+    return {"launch_bounds": (threads, min_blocks)} if min_blocks and not SIMULATOR else {}
+
+
 def _gemm_tc_pad(bk: int) -> int:
     """Rows of padding per k-step plane of gemm_tc's shared slabs, so that the slab stores are conflict-free.
 
@@ -407,8 +475,8 @@ def gemm_tc_shared_bytes(tile: GemmTcTile, bf16_inputs: bool = False) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages: int, w_words: bool,
-                    bf16_inputs: bool):
+def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages: int, min_blocks: int,
+                    w_words: bool, bf16_inputs: bool):
     """The tensor-core gemm kernel for a BM x BN block tile of WM x WN warp tiles, BK-wide K slabs split over
     KW groups of warps, STAGES shared-memory buffers.
 
@@ -440,10 +508,11 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
     w_words: the weight comes as its uint64 view (N, K/4), 4 bf16 per load (needs K % 4 == 0); otherwise as
     the (N, K) uint16 array, read one bf16 at a time (any K).
     """
-    tile = GemmTcTile(bm, bn, bk, wm, wn, kw, stages)
-    if bk % 16 or wm % 16 or wn % 8 or bm % wm or bn % wn or kw < 1 or (bk // 16) % kw or stages not in (1, 2):
+    tile = GemmTcTile(bm, bn, bk, wm, wn, kw, stages, min_blocks)
+    if (bk % 16 or wm % 16 or wn % 8 or bm % wm or bn % wn or kw < 1 or (bk // 16) % kw or stages not in (1, 2)
+            or min_blocks < 0):
         raise ValueError(f"gemm_tc tile {tuple(tile)}: need bk % 16, wm % 16, wn % 8, bm % wm, bn % wn and "
-                         f"(bk / 16) % kw all zero, kw >= 1 and stages 1 or 2")
+                         f"(bk / 16) % kw all zero, kw >= 1, stages 1 or 2 and min_blocks >= 0")
     WARPS_N = bn // wn
     WARPS_MN = (bm // wm) * WARPS_N   # warp tiles per block tile; kw warps share each
     THREADS = WARP * WARPS_MN * kw
@@ -561,7 +630,7 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
             if kg == 0:
                 store_out(acc, out, m_base, n_base)
 
-    @cuda.jit
+    @cuda.jit(**_occupancy(THREADS, min_blocks))
     def gemm_tc_kernel(x, w, out):
         """x (M, K) f32; w (N, K/4) u64 [w_words] or (N, K) u16 bf16; out (M, N) f32. Block (bx, by)
         computes out[by*BM : by*BM+BM, bx*BN : bx*BN+BN]; warp w the WM x WN sub-tile at rows
@@ -672,18 +741,45 @@ def matmul_naive(x, weight, out, stream=0, bf16_inputs: bool = False):
     _matmul_naive_kernel(bool(bf16_inputs))[grid, (_NAIVE_BLOCK_N, 1), stream](x, weight, out)
 
 
-def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG, bf16_inputs: bool = False):
+def gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """The GemvConfig gemv uses by default for x (m, k) @ W (n, k)^T (a pure function of the shape).
+
+    A decode GEMV is a race to keep enough weight bytes in flight: each lane issues rows_per_warp * unroll
+    8-byte loads before using the first. With many rows (n >= GEMV_WIDE_N) the grid alone fills the SMs;
+    with few, each row's K is split over the warps of a block as well, by 4 for a long K (k >= 4096). Above
+    m = 1 each weight word also meets m rows of x, so fewer loads are kept in flight per lane.
+    NOTE: measured on the H200 with weights cold in L2 (tools/kernel_benchmarks/matmul.py --gemv;
+    BENCHMARKS.md); each pick was the fastest (or within 0.2 us of it) of up to 14 configurations. At m = 1:
+    QKV (3072 x 2048) 5.9 us against 10.0 for the first version's (4, 2, 1, 1); O (2048 x 2048) 5.1
+    against 10.1; gate/up (16384 x 2048) 19.2 against 23.6; down (2048 x 8192) 11.8 against 31.5; LM head
+    (128256 x 2048) 123 against 133. At m = 2..8 the (4, 2, 4, 2) split won on most shapes (down at m = 2:
+    13.8 us with (8, 2, 2, 4), 18.0 with it), the unsplit (4, 2, 4, 1) on the wide ones.
+    """
+    wide, long_k = n >= GEMV_WIDE_N, k >= 4096
+    if m == 1:
+        return GEMV_WIDE if wide else GEMV_LONG_K if long_k else GEMV_SPLIT
+    if wide:
+        return GEMV_WIDE_M
+    return GEMV_LONG_K_M if long_k and m <= 2 else GEMV_SPLIT_M
+
+
+def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs: bool = False):
     """out = x @ W^T for small M (decode), one warp per weight row (or rows_per_warp rows).
 
     weight is the (N, K) uint16 array, or its uint64 view (N, K/4) (``weight.view(np.uint64)``, no copy),
     which a caller can make once to save the view's Python cost on every call. A uint16 weight is viewed as
     uint64 here when K % 4 == 0 and it is C-contiguous (64-bit loads); otherwise the kernel takes the scalar
     path (16-bit loads), which is correct for any K but slower. Any M works: x is walked in chunks of up to
-    8 rows and the weight is read once per chunk. config: warps per block and weight rows per warp (tuning).
+    8 rows and the weight is read once per chunk. config: warps per block, weight rows per warp, loads in
+    flight per row and K split (tuning); by default gemv_config(M, N, K).
     """
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True)
     if M == 0 or N == 0:
         return
+    config = GemvConfig(*config) if config else gemv_config(M, N, K)
+    if config.warps_per_block % config.k_split or not 1 <= config.warps_per_block <= 32 or config.unroll < 1:
+        raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32, a multiple of k_split, "
+                         f"and unroll >= 1")
     if weight.dtype == np.uint64:
         w64 = w16 = weight  # NOTE: w16 is only read by the scalar tail, which is empty when K % 4 == 0
         kv = K // 4
@@ -692,7 +788,7 @@ def gemv(x, weight, out, stream=0, config: GemvConfig = GEMV_CONFIG, bf16_inputs
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
-    kernel = _gemv_kernel(m_tile, config.warps_per_block, config.rows_per_warp, bool(bf16_inputs))
+    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs))
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
     kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv)
 
@@ -712,39 +808,48 @@ def _blocks(tile: GemmTcTile, m: int, n: int) -> int:
     return ((n + tile.bn - 1) // tile.bn) * ((m + tile.bm - 1) // tile.bm)
 
 
-def gemm_tc_tile(m: int, n: int, k: int) -> GemmTcTile:
-    """The tile gemm_tc uses by default for x (m, k) @ W (n, k)^T (a pure function of the shape).
+def gemm_tc_tile(m: int, n: int, k: int, bf16_inputs: bool = False) -> GemmTcTile:
+    """The tile gemm_tc uses by default for x (m, k) @ W (n, k)^T (a pure function of the shape and mode).
 
     1. GEMM_TC_TILE (128 x 128) when m > 64 and its grid has at least GEMM_TC_BIG_BLOCKS blocks: most reuse
        per byte staged. NOTE: measured on the H200 (BENCHMARKS.md, fp32 mode): at 128 blocks (down, M = 1024) it took
        705 us against 957 us for the 64 x 64 tile; at 32 blocks (down, M = 256) 696 against 404 us; at 192
-       (QKV, M = 1024) the 64 x 64 tile was 12% faster: a compromise, not a law.
-    2. Else GEMM_TC_SMALL_TILE (64 x 64) when m > 64 and its grid has GEMM_TC_BIG_BLOCKS blocks too (the
-       measured cases above: down at M = 256 is 128 of them).
+       (QKV, M = 1024) the 64 x 64 tile was 4-12% faster in fp32 mode and 4% slower with bf16 inputs.
+    2. Else GEMM_TC_SMALL_TILE (64 x 64) when m > GEMM_TC_SMALL_MIN_M and its grid has GEMM_TC_BIG_BLOCKS
+       blocks too.
     3. Else a skinny tile (decode batches, or outputs too small to fill the SMs): bm = 16 for m <= 16, else
-       32; the widest of its bn = 64, 32, 16 whose grid has at least SM_COUNT blocks, else the narrowest.
-       At small m the weight read dominates (2.47 GB per decode step; QKV at M = 16: 12.6 MB, about 3 us
-       at 4 TB/s, against 1.7 us of mma at the 359 TFLOP/s peak in fp32 mode, 0.6 us with bf16_inputs),
-       and a weight is read at full bandwidth only with enough bytes in flight: each block keeps its next
-       slab of W (bn x bk bf16: 4 to 16 KB) in registers, so the grid needs blocks on every SM, and each
-       block 8 or 16 warps (the K groups) to issue those loads and the mma work between them. Wider bn
-       reads x (from L2) fewer times per weight byte (bm * 4 bytes of x per bn * 2 bytes of W per k), so
-       it is preferred while the grid still fills the SMs.
-    4. When even the narrowest has fewer than SM_COUNT blocks (N = 2048 at m <= 16: 128 blocks) and K is at
-       least GEMM_TC_DEEP_K, GEMM_TC_SKINNY_DEEP_TILE: 256-deep slabs double each block's bytes in flight,
-       and a long K keeps its 4 K groups busy over many slabs.
-    NOTE: rules 2 to 4 follow from the shapes and the costs above, not from measurements yet: the benchmark
-    (tools/kernel_benchmarks/matmul.py) times each tile side by side at M = 16 .. 1024 on the 1B shapes.
+       32; the widest of its bn = 64, 32, 16 whose grid has at least GEMM_TC_SKINNY_BLOCKS blocks, else the
+       narrowest. At small m the weight read dominates (2.47 GB per decode step), and a weight is read at
+       full bandwidth only with enough bytes in flight: each block keeps its next slab of W (bn x bk bf16:
+       4 to 16 KB) in registers, so the grid needs blocks on most SMs, and each block 8 or 16 warps (the K
+       groups) to issue those loads. Wider bn reads x fewer times per weight byte and stages more W per
+       barrier, so it is preferred while the grid still covers two thirds of the SMs.
+       NOTE: measured on the H200 at M = 64, 128 and 256 on the QKV, O and down weights in both modes
+       (BENCHMARKS.md): the 32-row tile so chosen was the fastest candidate in every case but one (a 1%
+       loss), e.g. QKV at M = 64: 32 x 64 (96 blocks) 38 us with bf16 inputs against 61 for 32 x 32 (192
+       blocks); O at M = 64: 32 x 32 (128 blocks) 31 us against 39 for 32 x 64 (64 blocks); at M = 256 the
+       32 x 64 tile beat the 64 x 64 one by 1.0-2.4x (down: 198 against 470 us with bf16 inputs), which is
+       why rule 2 starts above M = 256.
+    4. When even the narrowest has fewer than GEMM_TC_SKINNY_BLOCKS blocks, m <= 16 and K is at least
+       GEMM_TC_DEEP_K, GEMM_TC_SKINNY_DEEP_TILE: 256-deep slabs double each block's bytes in flight, and a
+       long K keeps its 4 K groups busy over many slabs (from the costs above, not measured yet).
+    The mode matters in one place: in fp32 mode a 32-row tile gets min_blocks = SKINNY32_FP32_MIN_BLOCKS.
+    NOTE: ptxas gives those tiles 133-136 registers in fp32 mode (one 256-thread block per SM) and 128
+    when asked for two, without spills (tools/offline_compile.py's machinery); measured on the H200 that made
+    fp32 mode 1.3-1.5x faster (QKV at M = 256: 107 against 141 us; gate/up at M = 64: 135 against 193),
+    while with bf16 inputs (128 registers already) the bound made them 5-12% slower.
     """
     if m > 64 and _blocks(GEMM_TC_TILE, m, n) >= GEMM_TC_BIG_BLOCKS:
         return GEMM_TC_TILE
-    if m > 64 and _blocks(GEMM_TC_SMALL_TILE, m, n) >= GEMM_TC_BIG_BLOCKS:
+    if m > GEMM_TC_SMALL_MIN_M and _blocks(GEMM_TC_SMALL_TILE, m, n) >= GEMM_TC_BIG_BLOCKS:
         return GEMM_TC_SMALL_TILE
-    skinny = GEMM_TC_SKINNY_TILES[16 if m <= 16 else 32]
-    tile = next((t for t in skinny if _blocks(t, m, n) >= SM_COUNT), None)
-    if tile is not None:
-        return tile
-    return GEMM_TC_SKINNY_DEEP_TILE if m <= 16 and k >= GEMM_TC_DEEP_K else skinny[-1]
+    if m <= 16:
+        skinny = GEMM_TC_SKINNY_TILES[16]
+        tile = next((t for t in skinny if _blocks(t, m, n) >= GEMM_TC_SKINNY_BLOCKS), None)
+        return tile or (GEMM_TC_SKINNY_DEEP_TILE if k >= GEMM_TC_DEEP_K else skinny[-1])
+    skinny = GEMM_TC_SKINNY_TILES[32]
+    tile = next((t for t in skinny if _blocks(t, m, n) >= GEMM_TC_SKINNY_BLOCKS), skinny[-1])
+    return tile if bf16_inputs else tile._replace(min_blocks=SKINNY32_FP32_MIN_BLOCKS)
 
 
 def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_inputs: bool = False):
@@ -758,7 +863,7 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
     M, N, K = _check_args(x, weight, out)
     if M == 0 or N == 0:
         return
-    tile = GemmTcTile(*tile) if tile else (GEMM_TC_SIM_TILE if SIMULATOR else gemm_tc_tile(M, N, K))
+    tile = GemmTcTile(*tile) if tile else (GEMM_TC_SIM_TILE if SIMULATOR else gemm_tc_tile(M, N, K, bf16_inputs))
     w_words = K % 4 == 0 and weight.is_c_contiguous()
     kernel = _gemm_tc_kernel(*tile, w_words, bool(bf16_inputs))
     grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
@@ -766,13 +871,15 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
 
 
 def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
-    """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M, gemm_tc above.
+    """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
+    of GEMV_WIDE_N rows or more), gemm_tc above.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
     multiplied, by whichever kernel runs.
     NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
     barriers over Python threads (gemm_tc's own tests still run there)."""
-    if len(getattr(x, "shape", ())) == 2 and x.shape[0] <= GEMV_MAX_M:
+    if len(getattr(x, "shape", ())) == 2 and len(getattr(weight, "shape", ())) == 2 and x.shape[0] <= (
+            GEMV_WIDE_MAX_M if weight.shape[0] >= GEMV_WIDE_N else GEMV_MAX_M):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
     elif SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)

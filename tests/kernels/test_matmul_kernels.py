@@ -101,7 +101,11 @@ def test_matmul_naive(seed, m, nk, x_scale, w_scale, bf16_inputs):
     check(run(mm.matmul_naive, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
-GEMV_CONFIGS = [mm.GEMV_CONFIG, mm.GemvConfig(warps_per_block=3, rows_per_warp=1)]
+GEMV_CONFIGS = [None, mm.GemvConfig(), mm.GemvConfig(warps_per_block=3, rows_per_warp=1)]  # None: the policy
+# Loads in flight and K split: (warps, rows per warp, unroll, k_split); a pass of the block covers
+# 32 * unroll * k_split words (4 bf16 each) of a row.
+GEMV_PASS_CONFIGS = [mm.GemvConfig(2, 1, 2, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(8, 1, 4, 4),
+                     mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_LONG_K, mm.GEMV_WIDE_M, mm.GEMV_SPLIT_M]
 
 
 @pytest.mark.parametrize("path", ["u64", "u64-view-given", "scalar"])
@@ -120,6 +124,35 @@ def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
     mm.gemv(to_device(x), w_dev.view(np.uint64) if path == "u64-view-given" else w_dev, out, config=config,
             bf16_inputs=bf16_inputs)
     check(out, x, w, bf16_inputs)
+
+
+@pytest.mark.parametrize("m, n, k, want", [
+    (1, 3072, 2048, mm.GEMV_SPLIT), (1, 2048, 8192, mm.GEMV_LONG_K), (1, 128256, 2048, mm.GEMV_WIDE),
+    (2, 2048, 8192, mm.GEMV_LONG_K_M), (4, 2048, 8192, mm.GEMV_SPLIT_M), (8, 16384, 2048, mm.GEMV_WIDE_M),
+])
+def test_gemv_config_policy(m, n, k, want):
+    assert mm.gemv_config(m, n, k) == want
+
+
+@settings(max_examples=pick(6, 15))
+@given(seeds, st.sampled_from(GEMV_PASS_CONFIGS), st.integers(0, 2), st.integers(0, 40), st.integers(0, 3),
+       st.sampled_from([1, 2, 5, 8]), st.integers(1, 9), st.booleans())
+def test_gemv_passes(seed, config, passes, words, tail, m, n, bf16_inputs):
+    """Unrolled loads and the K split: K = whole passes of the block + leftover words (fewer than a pass,
+    spread over the K-split warps one word at a time) + a scalar tail of K % 4 columns (the uint16 path,
+    as the launcher sees no uint64 view then), with N not a multiple of the block's rows."""
+    step = 4 * mm.WARP * config.unroll * config.k_split   # columns of one pass
+    k = max(1, passes * step + 4 * min(words, step // 4 - 1) + tail)
+    x, w = make_inputs(seed, m, n, k)
+    out = stale_out(m, n)
+    mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs)
+    check(out, x, w, bf16_inputs)
+
+
+def test_gemv_config_checks():
+    x, w, out = device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 4), np.float32)
+    with pytest.raises(ValueError, match="multiple of k_split"):
+        mm.gemv(x, w, out, config=mm.GemvConfig(3, 1, 1, 2))
 
 
 @settings(max_examples=pick(6, 15))
@@ -258,22 +291,26 @@ SKINNY16, SKINNY32 = mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_TILES[32]
 
 
 @pytest.mark.parametrize("m, n, k, want", [
-    (16, 3072, 2048, T(16, 16, 128, 16, 8, 4)),     # QKV, decode 16: 192 blocks; 16 x 32 would give 96
+    (16, 3072, 2048, T(16, 32, 128, 16, 16, 4)),    # QKV, decode 16: 96 blocks; 16 x 64 would give 48
     (16, 16384, 2048, T(16, 64, 128, 16, 16, 4)),   # gate/up: 256 blocks at the widest
     (9, 128256, 2048, T(16, 64, 128, 16, 16, 4)),   # LM head
-    (16, 2048, 2048, T(16, 16, 128, 16, 8, 4)),     # O: 128 blocks at the narrowest, short K
-    (16, 2048, 8192, mm.GEMM_TC_SKINNY_DEEP_TILE),  # down: 128 blocks at the narrowest, long K
-    (32, 3072, 2048, T(32, 16, 128, 32, 8, 4)),
-    (64, 3072, 2048, T(32, 32, 128, 32, 16, 4)),    # 2 x 96 blocks
-    (64, 2048, 8192, T(32, 16, 128, 32, 8, 4)),     # 2 x 64 of 32 x 32 is short of 132: 32 x 16
-    (128, 3072, 2048, T(32, 64, 64, 32, 16, 2)),    # 64 x 64 gives 96 blocks; 4 x 48 of 32 x 64
-    (256, 3072, 2048, mm.GEMM_TC_SMALL_TILE),       # measured: 129.6 us against 177.9 (128 x 128)
-    (256, 2048, 8192, mm.GEMM_TC_SMALL_TILE),       # measured: 404 against 696 us, 128 blocks
+    (16, 2048, 2048, T(16, 16, 128, 16, 8, 4)),     # O: 64 blocks at 16 x 32, 128 at 16 x 16
+    (16, 2048, 8192, T(16, 16, 128, 16, 8, 4)),     # down: the same
+    (16, 1024, 8192, mm.GEMM_TC_SKINNY_DEEP_TILE),  # 64 blocks even at 16 x 16, long K
+    (32, 3072, 2048, SKINNY32[1]),                # 32 x 32: 96 blocks
+    (64, 3072, 2048, SKINNY32[0]),                 # 32 x 64, measured: 96 blocks, 38 us against 61 (32 x 32)
+    (64, 2048, 8192, SKINNY32[1]),                 # 32 x 32, measured: 128 blocks, 132 us against 185 (32 x 64)
+    (128, 3072, 2048, SKINNY32[0]),
+    (256, 3072, 2048, SKINNY32[0]),                # measured: 83 us against 115 (64 x 64), bf16 inputs
+    (256, 2048, 8192, SKINNY32[0]),                # measured: 198 against 470 us, bf16 inputs
+    (512, 3072, 2048, mm.GEMM_TC_SMALL_TILE),       # 96 big blocks; 384 small ones
     (256, 16384, 2048, mm.GEMM_TC_TILE),            # 256 big blocks
     (1024, 2048, 8192, mm.GEMM_TC_TILE),            # measured: 705 against 957 us, 128 blocks
 ])
 def test_gemm_tc_tile_policy_examples(m, n, k, want):
-    assert mm.gemm_tc_tile(m, n, k) == want
+    assert mm.gemm_tc_tile(m, n, k, bf16_inputs=True) == want
+    # fp32 mode: the same tile, bounded to two blocks per SM when it has 32 rows
+    assert mm.gemm_tc_tile(m, n, k) == (want._replace(min_blocks=2) if want.bm == 32 else want)
 
 
 def blocks(tile, m, n):
@@ -284,18 +321,19 @@ def blocks(tile, m, n):
 @given(st.integers(1, 5000), st.integers(1, 200_000), st.integers(1, 10_000))
 def test_gemm_tc_tile_policy_rules(m, n, k):
     """The rules of gemm_tc_tile's docstring, for any shape; every pick fits shared memory in both modes."""
-    tile = mm.gemm_tc_tile(m, n, k)
+    tile = mm.gemm_tc_tile(m, n, k, bf16_inputs=True)
+    assert mm.gemm_tc_tile(m, n, k)._replace(min_blocks=0) == tile
     assert all(mm.gemm_tc_shared_bytes(tile, bf16) <= mm.GEMM_TC_MAX_SHARED for bf16 in (False, True))
     if m > 64 and blocks(mm.GEMM_TC_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
         assert tile == mm.GEMM_TC_TILE
         return
-    if m > 64 and blocks(mm.GEMM_TC_SMALL_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
+    if m > mm.GEMM_TC_SMALL_MIN_M and blocks(mm.GEMM_TC_SMALL_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
         assert tile == mm.GEMM_TC_SMALL_TILE
         return
     skinny = SKINNY16 if m <= 16 else SKINNY32
-    full = [t for t in skinny if blocks(t, m, n) >= mm.SM_COUNT]
+    full = [t for t in skinny if blocks(t, m, n) >= mm.GEMM_TC_SKINNY_BLOCKS]
     if full:
-        assert tile == full[0]          # the widest that fills the SMs
+        assert tile == full[0]          # the widest that covers two thirds of the SMs
     elif m <= 16 and k >= mm.GEMM_TC_DEEP_K:
         assert tile == mm.GEMM_TC_SKINNY_DEEP_TILE
     else:
@@ -396,10 +434,11 @@ def test_uint64_weight_view_only_where_gemv_takes_it():
 
 
 @pytest.mark.parametrize("tile, bf16_inputs, match", [
-    (T(16, 16, 24, 16, 8), False, r"gemm_tc tile \(16, 16, 24, 16, 8, 1, 1\): need bk % 16"),
+    (T(16, 16, 24, 16, 8), False, r"gemm_tc tile \(16, 16, 24, 16, 8, 1, 1, 0\): need bk % 16"),
     (T(16, 16, 32, 16, 8, 3), False, r"\(bk / 16\) % kw all zero"),
     (T(16, 16, 32, 16, 8, 0), False, r"kw >= 1"),
     (T(16, 16, 32, 16, 8, 1, 3), False, r"stages 1 or 2"),
+    (T(16, 16, 32, 16, 8, 1, 1, -1), False, r"min_blocks >= 0"),
     (T(128, 128, 32, 16, 16), False, r"gives 2048 threads per block \(max 1024\)"),
     (T(128, 128, 32, 64, 32, 1, 2), False, r"needs 66560 bytes of shared memory \(max 49152\)"),
     (T(32, 64, 128, 32, 16, 4), False, r"bf16_inputs=False\) needs 50176 bytes"),

@@ -45,12 +45,14 @@ _PREFILL = (mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, mm.GEMM_TC_TILE._replace(sta
 # per 16), the 32-row ones up to 128, the prefill tiles from 64; two-stage variants of the 16 x 16 and the
 # prefill tiles. A tile that does not fit in shared memory in a mode (the two-stage 128 x 128 in fp32) is
 # skipped there.
+# The 32-row tiles with fp32 mode's occupancy bound too (in both modes), to measure what it buys.
+_BOUND32 = tuple(t._replace(min_blocks=mm.SKINNY32_FP32_MIN_BLOCKS) for t in mm.GEMM_TC_SKINNY_TILES[32])
 TC_CANDIDATES = {
     16: (*_SKINNY[:4], mm.GemmTcTile(16, 16, 128, 16, 8, 4, 2), mm.GEMM_TC_SMALL_TILE),
-    32: (*_SKINNY[4:], mm.GEMM_TC_SKINNY_TILES[16][-1], mm.GEMM_TC_SMALL_TILE),
-    64: (*_SKINNY[4:], *_PREFILL[1::2]),
-    128: (*_SKINNY[4:], *_PREFILL),
-    256: (mm.GEMM_TC_SKINNY_TILES[32][0], *_PREFILL),
+    32: (*_SKINNY[4:], mm.GEMM_TC_SKINNY_TILES[16][-1], *_BOUND32),
+    64: (*_SKINNY[4:], *_BOUND32, _PREFILL[1]),
+    128: (*_SKINNY[4:], *_BOUND32, *_PREFILL[:2]),
+    256: (mm.GEMM_TC_SKINNY_TILES[32][0], _BOUND32[0], *_PREFILL),
     1024: _PREFILL,
 }
 
@@ -130,8 +132,8 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
         if wname in TC_WEIGHTS:
             for m in ms:
                 x, dx = activations(m, k)
-                chosen = mm.gemm_tc_tile(m, n, k)
                 for bf16 in (False, True):
+                    chosen = mm.gemm_tc_tile(m, n, k, bf16)
                     mode = "bf16" if bf16 else "fp32"
                     out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", mm.gemm_tc, x, w, dx, dw,
                                      None, tile=chosen, bf16_inputs=bf16))
@@ -163,6 +165,56 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
     return out
 
 
+# gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split); the first version's
+# (4, 2, 1, 1), the policy's three and their neighbours
+GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_LONG_K] + [mm.GemvConfig(*c) for c in (
+    (8, 2, 4, 4), (8, 2, 4, 2), (16, 2, 2, 8), (8, 4, 2, 4), (4, 2, 2, 2), (16, 2, 2, 4), (8, 2, 1, 4),
+    (4, 4, 2, 2), (4, 2, 8, 1), (8, 2, 4, 1))]
+# the few of them timed at M > 1 as well (M rows share each weight read there)
+GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4)]
+COLD_BYTES = 256 << 20   # weight copies cycled through per timed graph: 5x the H200's 50 MB L2
+
+
+def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m=GEMV_CANDIDATES_M) -> list[Case]:
+    """Decode-sized matmuls with the weight cold in L2, as in a real step (each layer's weights are read once
+    per step, 2.47 GB in all): every launch of the timed graph reads the next of enough copies of the weight
+    to overflow L2. gemv in each of `configs` at M = 1 and of `configs_m` above, plus gemm_tc's policy tile at the same M (the
+    engine's alternative above GEMV_MAX_M) and at M = 16. bytes_moved: one weight + x + out."""
+    rng = np.random.default_rng(1)
+    out = []
+    for wname, n, k in WEIGHTS:
+        if weights and wname not in weights:
+            continue
+        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
+        copies = [cuda.to_device(w) for _ in range(max(1, -(-COLD_BYTES // w.nbytes)))]
+        for m in sorted(set(ms) | {16}):
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            dx, dout = cuda.to_device(x), cuda.device_array((m, n), np.float32)
+            runs = [("gemm_tc", mm.gemm_tc, {})] if m > 1 else []
+            runs += [(f"gemv {tuple(c)}", mm.gemv, {"config": c})
+                     for c in (configs if m == 1 else configs_m if m <= 8 else ())]
+            for label, launcher, kwargs in runs:
+                out.append(_cold_case(f"{label} {wname} cold {m}x{k} @ {n}x{k}^T", launcher, x, w, dx, copies,
+                                      dout, kwargs))
+    return out
+
+
+def _cold_case(name, launcher, x, w, dx, copies, dout, kwargs) -> Case:
+    turn = [0]
+
+    def launch(stream):
+        launcher(dx, copies[turn[0] % len(copies)], dout, stream, **kwargs)
+        turn[0] += 1
+
+    def check():
+        dout.copy_to_device(np.full(dout.shape, np.nan, np.float32))
+        launcher(dx, copies[0], dout, 0, **kwargs)
+        cuda.synchronize()
+        _check_close(dout, x, w)
+
+    return Case("matmul", name, launch, check, bytes_moved=w.nbytes + dx.nbytes + dout.nbytes)
+
+
 def main() -> None:
     """Time the gemm_tc cases; print effective TFLOP/s, weight GB/s and the fraction of the mma.sync peak."""
     import argparse
@@ -171,7 +223,22 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile (TC_CANDIDATES)")
     parser.add_argument("--m", type=int, nargs="+", default=list(TC_MS), help="M values (default: all)")
     parser.add_argument("--weights", nargs="+", choices=TC_WEIGHTS, help="weights (default: all)")
+    parser.add_argument("--gemv", action="store_true",
+                        help="instead: decode matmuls (M <= 8, and 16) with cold weights, every GEMV_CANDIDATES "
+                             "config and gemm_tc's tile")
     args = parser.parse_args()
+    if args.gemv:
+        print("| case | time (us) | GB/s (W + x + out) |")
+        print("| --- | ---: | ---: |")
+        for case in cold_cases(ms=[m for m in args.m if m <= 8] or (1,), weights=args.weights):
+            try:
+                case.check()
+                seconds = time_launch(case.launch)
+            except Exception as exc:
+                print(f"| {case.name} | FAILED: {type(exc).__name__}: {str(exc)[:120]} | |", flush=True)
+                continue
+            print(f"| {case.name} | {seconds * 1e6:,.1f} | {case.bytes_moved / seconds / 1e9:,.0f} |", flush=True)
+        return
     print("| case | time (us) | TFLOP/s (2MNK/t) | GB/s (W + x + out) | % of mma peak (359), mma work |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for case in cases(tensor_core_only=True, sweep=args.sweep, ms=args.m, weights=args.weights):
