@@ -18,12 +18,21 @@ Math (per row s of logits l, vocabulary size V; exactly reference/sampling.py):
 
 Shapes and dtypes (device arrays):
     logits (S, V) float32 (any strides); out (S,) int32
+    argmax with a workspace: workspace (n,) int32, n >= argmax_workspace_size(S, V); its first S * P elements
+    hold the partials, part_index[s * P + p] = the best index of partition p of row s
     sample only: temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32; uniform in [0, 1)
 
 Thread mapping:
     argmax_naive  grid = ceil(S / threads); one thread per row walks the whole row.
     argmax        grid = (S,); one block per row; thread t reads l[t], l[t + threads], ... (coalesced) and
                   the block reduces (value, index) pairs through shared memory.
+    argmax (workspace=) split in two kernels, P and chunk = ceil(V / P) from argmax_partitions(S, V):
+                  stage 1  grid = (S, P); block (s, p) reduces l[s, p*chunk : (p+1)*chunk] with the strided
+                           mapping, UNROLL loads in flight per thread before it compares any, and writes the
+                           best index to the workspace (P = 1: to out, and stage 2 is skipped);
+                  stage 2  grid = (S,); thread t of row s's block reads partial t, re-reads its logit, and
+                           the block reduces the P pairs under the same order.
+                  P aims at about TARGET_BLOCKS blocks in all with chunks of at least MIN_CHUNK elements.
     sample        grid = (S,); one block per row, the same strided mapping for the passes that only reduce;
                   for the draw thread t owns the contiguous chunk [t*C, (t+1)*C), C = ceil(V / threads).
                   Static shared memory: 28 * threads bytes + 17 KB of histograms (45 KB at 1024 threads,
@@ -61,6 +70,10 @@ the GPU's source; the only target-dependent piece is `f32_bits` from primitives 
 Versions:
     argmax_naive  v1: one thread per row; teaching only (V sequential loads per thread).
     argmax        v2: one block per row, strided loads, two-level (value, index) reduction in shared memory.
+                  A row per block leaves most SMs idle at small batches, and one load in flight per thread
+                  starves it at large ones: 63.5 us at 1 x 128256 on the H200 (~3% of a 1B decode step).
+    argmax        v3 (with workspace=): split over (row, partition) blocks, UNROLL loads in flight, a second
+                  kernel merges P indices per row; bit-identical tokens to v2 (the order is total).
     sample        v1: one block per row; radix-select thresholds, fixed-point masses, two-level inverse CDF.
 """
 
@@ -85,6 +98,14 @@ RADIX_MASK = RADIX_BINS - 1
 RADIX_PASSES = 3
 FIXED_SCALE = float(2 ** 56)      # p * 2^56 < 2^56 and sum(p) ~ 1, far from the 2^64 limit of uint64
 NO_INDEX = 2 ** 31 - 1            # an index larger than any real one: loses every tie in the argmax
+#: split argmax (argmax with a workspace): block size of stage 1, loads each thread issues before it compares
+#: any, the grid it aims for (about 8 blocks per SM of the H200's 132) and the smallest chunk worth a block
+# NOTE: 128 threads measured on the H200 (V = 128256): 11.0 us at 1 row (256: 10.9, 512: 12.1), 21.8 at 64
+# rows (256: 27.5), 60.7 at 256 (256: 66.0); the one-block-per-row kernel took 63 / 65 / 125 us at 512.
+SPLIT_THREADS = 32 if SIMULATOR else 128
+UNROLL = 8
+TARGET_BLOCKS = 1024
+MIN_CHUNK = 2048
 
 
 def _jit_options(threads):
@@ -237,6 +258,37 @@ def _row_argmax(logits, row, vbuf, ibuf, wv, wi):
 
 
 @cuda.jit(device=True)
+def _chunk_argmax(x, start, end, xs):
+    """This thread's best (value, index) under `_beats` over x[start:end] (x: one row), strided mapping.
+
+    Each round issues UNROLL independent loads (into xs, a local array of UNROLL float32 that the compiler keeps
+    in registers) before comparing any of them. NOTE: a loop that loads and compares one element at a time keeps
+    about one load in flight per thread, 4 KB per SM at 1024 resident threads, while by Little's law the H200's
+    bandwidth times its DRAM latency asks for roughly 25 KB per SM (4.25 TB/s x ~0.8 us / 132 SMs). Measured
+    on the H200 at 256 x 128256 rows, where both kernels have blocks enough: v2 (512 threads) 125 us, this
+    split 61 us (SPLIT_THREADS).
+    A thread with no element in range returns (-inf, NO_INDEX), which loses to every real element. The index
+    is cast to uint64 for the load: numba then omits its negative-index wraparound (3 instructions a load).
+    """
+    step = cuda.blockDim.x
+    best = float32(-np.inf)
+    best_index = int32(NO_INDEX)
+    base = start + cuda.threadIdx.x
+    while base < end:
+        for k in range(UNROLL):
+            j = base + k * step
+            if j < end:
+                xs[k] = x[uint64(j)]
+        for k in range(UNROLL):
+            j = base + k * step
+            if j < end and _beats(xs[k], j, best, best_index):
+                best = xs[k]
+                best_index = int32(j)
+        base += UNROLL * step
+    return best, best_index
+
+
+@cuda.jit(device=True)
 def _weight(logit, temperature, zmax):
     """e = exp(l / T - max z) in float32, in the reference's order of operations (divide, subtract, exp)."""
     return float32(math.exp(logit / temperature - zmax))
@@ -303,6 +355,59 @@ def _argmax_kernel(threads):
             out[row] = index
 
     return argmax_kernel
+
+
+@lru_cache(maxsize=None)
+def _argmax_partial_kernel(threads):
+    @cuda.jit(**_jit_options(threads))
+    def argmax_partial_kernel(logits, chunk, part_index):
+        # logits (S, V) float32; part_index (S * P,) int32, P = gridDim.y. grid (S, P), block (threads,):
+        # block (s, p) reduces logits[s, p * chunk : (p + 1) * chunk] and writes the index of its best element
+        # to part_index[s * P + p]. With P = 1 that is out[s] itself: the launcher passes out, no stage 2.
+        vbuf = cuda.shared.array(threads, float64)
+        ibuf = cuda.shared.array(threads, int32)
+        wv = cuda.shared.array(WARP, float64)
+        wi = cuda.shared.array(WARP, int32)
+        xs = cuda.local.array(UNROLL, float32)
+        row = cuda.blockIdx.x
+        part = cuda.blockIdx.y
+        start = int64(part) * chunk
+        end = min(int64(logits.shape[1]), start + chunk)
+        best, best_index = _chunk_argmax(logits[uint64(row)], start, end, xs)
+        _, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
+        if cuda.threadIdx.x == 0:
+            part_index[int64(row) * cuda.gridDim.y + part] = index
+
+    return argmax_partial_kernel
+
+
+@lru_cache(maxsize=None)
+def _argmax_merge_kernel(threads):
+    @cuda.jit(**_jit_options(threads))
+    def argmax_merge_kernel(logits, part_index, parts, out):
+        # logits (S, V) float32; part_index (S * parts,) int32 from stage 1; out (S,) int32. grid (S,), block
+        # (threads,): thread t takes partials t, t + threads, ... of row s (one each when threads >= parts).
+        # NOTE: the partials are indices only; their values are read back from logits (the same float32, so
+        # the same order), which keeps the workspace one int32 array and lets P = 1 write out directly.
+        # Every partition is non-empty (the launcher's P = ceil(V / chunk)), so every index is a real one.
+        vbuf = cuda.shared.array(threads, float64)
+        ibuf = cuda.shared.array(threads, int32)
+        wv = cuda.shared.array(WARP, float64)
+        wi = cuda.shared.array(WARP, int32)
+        row = cuda.blockIdx.x
+        best = float32(-np.inf)
+        best_index = int32(NO_INDEX)
+        for p in range(cuda.threadIdx.x, parts, threads):
+            i = part_index[int64(row) * parts + p]
+            x = logits[row, i]
+            if _beats(x, i, best, best_index):
+                best = x
+                best_index = i
+        _, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
+        if cuda.threadIdx.x == 0:
+            out[row] = index
+
+    return argmax_merge_kernel
 
 
 @lru_cache(maxsize=None)
@@ -561,13 +666,88 @@ def argmax_naive(logits, out, stream=0, threads=64):
     _argmax_naive_kernel[(num_seqs + threads - 1) // threads, threads, stream](logits, out)
 
 
-def argmax(logits, out, stream=0, threads=DEFAULT_THREADS):
-    """Greedy tokens: out[s] = the lowest index of the largest logit of row s (numpy.argmax exactly)."""
-    num_seqs, _ = _check_logits(logits, out)
+def argmax_partitions(num_rows, vocab):
+    """(P, chunk) of the split argmax from shapes only (CUDA-graph safe): enough partitions per row for about
+    TARGET_BLOCKS blocks in all, each chunk at least MIN_CHUNK elements (so P <= V // MIN_CHUNK); P = 1 (no
+    stage 2, no workspace) once the rows alone fill the grid or V < 2 * MIN_CHUNK. Llama 3's V = 128256:
+    62 x 2069 at 1 row, 16 x 8016 at 64 rows, 4 x 32064 at 256 (1 row: 62 blocks, at most one per SM)."""
+    wanted = -(-TARGET_BLOCKS // max(1, int(num_rows)))
+    most = int(vocab) // MIN_CHUNK
+    return _partition(vocab, max(1, min(wanted, most)))
+
+
+def _partition(vocab, partitions):
+    """(P, chunk) for at most `partitions` chunks: chunk = ceil(V / partitions), then P = ceil(V / chunk), so
+    that no partition is empty (V = 9 in 4 asks gives 3 chunks of 3)."""
+    chunk = -(-int(vocab) // int(partitions))
+    return -(-int(vocab) // chunk), chunk
+
+
+def argmax_workspace_size(num_rows, vocab) -> int:
+    """int32 elements of the split argmax's workspace for every batch of up to num_rows rows of V logits (the
+    runner allocates it once for max_num_seqs; `argmax(..., workspace=)`). At least 1, so it can be allocated."""
+    most = 0
+    for s in range(1, min(int(num_rows), TARGET_BLOCKS) + 1):  # from TARGET_BLOCKS rows on, P = 1
+        parts, _ = argmax_partitions(s, vocab)
+        if parts > 1:
+            most = max(most, s * parts)
+    return max(1, most)
+
+
+def _check_workspace(workspace, needed, num_seqs, vocab, parts):
+    if workspace is None:
+        raise ValueError(f"{parts} partitions need a workspace: an int32 device array of at least {needed} "
+                         f"elements (argmax_workspace_size(max rows, {vocab}))")
+    _check_device("workspace", workspace)
+    if np.dtype(workspace.dtype) != np.int32:
+        raise TypeError(f"workspace must be int32, got {np.dtype(workspace.dtype).name}")
+    if len(workspace.shape) != 1 or workspace.shape[0] < needed:
+        raise ValueError(f"workspace must be 1-D with at least {needed} int32 elements ({num_seqs} rows x "
+                         f"{parts} partitions; argmax_workspace_size({num_seqs}, {vocab}) = "
+                         f"{argmax_workspace_size(num_seqs, vocab)}), got shape {tuple(workspace.shape)}")
+
+
+def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=None):
+    """Greedy tokens: out[s] = the lowest index of the largest logit of row s (numpy.argmax exactly).
+
+    workspace: None, or an int32 device array of at least argmax_workspace_size(max rows, V) elements (the
+    runner allocates one for max_num_seqs and passes it on every call). Without it: v2, one block per row
+    (threads defaults to DEFAULT_THREADS). With it: v3, the split argmax, P = argmax_partitions(S, V)
+    partitions per row; stage 1 writes one index per (row, partition) to the front of the workspace and stage
+    2 reduces each row's P of them (threads defaults to SPLIT_THREADS, stage 2 picks its own). Its contents
+    before the call do not matter.
+    partitions: override the policy (tests and benchmarks): any positive int is correct, at most V are used
+    (see _partition); with partitions given, v3 runs even without a workspace when that makes P = 1.
+    Both versions give bit-identical tokens on every run: `_beats` is a strict total order on (value, index)
+    pairs, so the order in which pairs are combined cannot change the answer.
+    """
+    num_seqs, vocab = _check_logits(logits, out)
+    if workspace is None and partitions is None:
+        threads = DEFAULT_THREADS if threads is None else threads
+        _check_threads(threads)
+        if num_seqs == 0:
+            return
+        _argmax_kernel(threads)[num_seqs, threads, stream](logits, out)
+        return
+    threads = SPLIT_THREADS if threads is None else threads
     _check_threads(threads)
+    if partitions is None:
+        parts, chunk = argmax_partitions(num_seqs, vocab)
+    else:
+        if isinstance(partitions, bool) or int(partitions) != partitions or partitions < 1:
+            raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+        parts, chunk = _partition(vocab, partitions)
+    if parts > 1:
+        _check_workspace(workspace, num_seqs * parts, num_seqs, vocab, parts)
     if num_seqs == 0:
         return
-    _argmax_kernel(threads)[num_seqs, threads, stream](logits, out)
+    if parts == 1:  # stage 1 alone: its one partial per row is the token
+        _argmax_partial_kernel(threads)[(num_seqs, 1), threads, stream](logits, chunk, out)
+        return
+    part_index = workspace[:num_seqs * parts]
+    _argmax_partial_kernel(threads)[(num_seqs, parts), threads, stream](logits, chunk, part_index)
+    merge_threads = next((b for b in BLOCK_SIZES if b >= parts), BLOCK_SIZES[-1])
+    _argmax_merge_kernel(merge_threads)[num_seqs, merge_threads, stream](logits, part_index, parts, out)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, threads=DEFAULT_THREADS):

@@ -96,6 +96,8 @@ class CUDARunner:
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
         self.tokens = empty(s, np.int32)                  # the last launched step's samples
+        # the split argmax's per-chunk winners (sampling.argmax_workspace_size)
+        self.argmax_workspace = empty(sampling.argmax_workspace_size(s, c.vocab_size), np.int32)
         # two host copies of them, so a step's tokens can be read while the next step's are on their way
         self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
 
@@ -217,7 +219,7 @@ class CUDARunner:
         embedding.gather_rows(h, v["logits_indices"], last, stream)
         mm(last, self.lm_head, logits, stream)
         if greedy:
-            sampling.argmax(logits, tokens, stream)
+            sampling.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
         else:
             sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
                             stream)

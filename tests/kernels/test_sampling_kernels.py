@@ -1,4 +1,5 @@
-"""Sampling kernels (argmax, argmax_naive, sample) against reference/sampling.py.
+"""Sampling kernels against reference/sampling.py: argmax (v2 without a workspace, the split v3 with one),
+argmax_naive and sample.
 
 Greedy tokens must equal the reference's exactly. A sampled token may differ from the reference's only
 where floating-point summation order can legitimately decide it: the reference sums p in float32 (a
@@ -181,6 +182,172 @@ def test_argmax_ties_nan_and_infinities_follow_numpy():
     assert got.tolist() == want.tolist()                # temperature 0 rows are greedy
 
 
+# --- split argmax (argmax with a workspace) -----------------------------------------------------------------
+
+POISON = 2 ** 30  # an index past any row: a stage 2 that read a partial stage 1 never wrote would fail on it
+
+
+def split_shape(num_seqs, vocab, partitions):
+    """(P, chunk) the launcher will use: its policy, or the override."""
+    if partitions is None:
+        return kernels.argmax_partitions(num_seqs, vocab)
+    return kernels._partition(vocab, partitions)
+
+
+def launch_split_argmax(logits, partitions=None, threads=None, d_logits=None):
+    """The split argmax on a poisoned workspace (a size for these rows, at least what the policy needs) and a
+    poisoned out."""
+    num_seqs, vocab = logits.shape
+    parts, _ = split_shape(num_seqs, vocab, partitions)
+    size = max(num_seqs * parts, kernels.argmax_workspace_size(num_seqs, vocab))
+    workspace = to_device(np.full(size, POISON, np.int32))
+    out = to_device(np.full(num_seqs, -1, np.int32))
+    kernels.argmax(to_device(logits) if d_logits is None else d_logits, out, workspace=workspace,
+                   partitions=partitions, threads=threads)
+    return out.copy_to_host()
+
+
+SPLIT_KINDS = KINDS + ("nan", "all_neg_inf", "boundary_ties")
+
+
+def make_argmax_row(rng, kind, vocab, chunk):
+    """A row for the argmax: make_row's kinds, NaNs, all -inf, or the maximum tied across partition edges."""
+    if kind == "nan":
+        x = make_row(rng, "normal", vocab)
+        x[rng.integers(vocab, size=2)] = np.nan
+        x[rng.integers(vocab)] = np.inf
+    elif kind == "all_neg_inf":
+        x = np.full(vocab, -np.inf, np.float32)
+    elif kind == "boundary_ties":  # the maximum at the last element of one chunk and the first of the next
+        x = make_row(rng, "ties", vocab)
+        edge = chunk * int(rng.integers(1, max(2, -(-vocab // chunk))))
+        tied = [i for i in (edge - 1, edge, edge + 1, int(rng.integers(vocab))) if 0 <= i < vocab]
+        x[tied] = np.float32(100)
+    else:
+        x = make_row(rng, kind, vocab)
+    return x
+
+
+# small and odd sizes everywhere (1, around a warp, around a round of UNROLL loads); the real ones on the GPU
+split_vocabs = st.sampled_from([1, 2, 31, 33, 255, 257, 513]) | st.integers(1, pick(600, 128256)) | \
+    (st.sampled_from([128256, 49152]) if not SIM else st.nothing())
+split_rows = st.integers(1, 5) if SIM else st.one_of(st.integers(1, 5), rows)
+# None: the launcher's policy (P = 1 at simulator sizes, so the overrides are what split there)
+split_partitions = st.sampled_from([None, 1, 2, 3, 5, 8] + pick([], [63, 100, 1000]))
+
+
+@settings(max_examples=pick(25, 40))
+@given(seeds, split_rows, split_vocabs, st.sampled_from(pick([32, 64], [128, 256, 512, 1024])), split_partitions)
+def test_split_argmax_matches_reference(seed, num_seqs, vocab, threads, partitions):
+    rng = np.random.default_rng(seed)
+    _, chunk = split_shape(num_seqs, vocab, partitions)
+    kinds = rng.choice(SPLIT_KINDS, num_seqs)
+    logits = np.stack([make_argmax_row(rng, k, vocab, chunk) for k in kinds])
+    got = launch_split_argmax(logits, partitions, threads)
+    np.testing.assert_array_equal(got, ref.argmax(logits), err_msg=f"rows {list(kinds)}")
+
+
+def test_split_argmax_ties_across_partitions_take_the_lowest_index():
+    v, parts = pick(200, 128256), 4
+    c = kernels._partition(v, parts)[1]
+    assert kernels._partition(v, parts)[0] == parts and c < v
+    logits = np.zeros((9, v), np.float32)
+    logits[0, [c - 1, c]] = 5.0                         # the last of chunk 0 against the first of chunk 1
+    logits[1, [c, 2 * c - 1, 3 * c]] = 5.0              # chunk 1's first against later chunks'
+    logits[2, [c + 1, 3 * c + 1]] = 5.0                 # not at an edge, and not in chunk 0
+    logits[3, [0, c, 2 * c, 3 * c]] = 5.0               # every chunk's first
+    logits[4, [2 * c + 3, c + 7]] = np.nan              # NaN wins over +inf, and the first NaN wins
+    logits[4, 0] = np.inf
+    logits[5] = -np.inf                                 # every logit -inf: index 0
+    logits[6] = np.float32(-3e38)                       # all equal: index 0
+    logits[7] = -np.inf                                 # only the very last is NaN
+    logits[7, v - 1] = np.nan
+    logits[8, v - 1] = np.inf                           # +inf at the very end, in the last (short) chunk
+    want = ref.argmax(logits)
+    assert want.tolist() == [c - 1, c, c + 1, 0, c + 7, 0, 0, v - 1, v - 1]
+    d = to_device(logits)
+    for threads in pick([32, 64], [128, 256, 1024]):
+        assert launch_split_argmax(logits, parts, threads, d).tolist() == want.tolist()
+
+
+def test_split_argmax_rounds_of_loads_and_the_default_policy():
+    """Chunks several rounds of UNROLL * threads long, with a tie between rounds; then a vocabulary big enough
+    that the launcher's own policy splits (P > 1) even for one row."""
+    rng = np.random.default_rng(21)
+    threads = pick(32, 256)
+    rnd = kernels.UNROLL * threads
+    v = 2 * (2 * rnd + 37)                              # P = 2: two full rounds and a partial one per chunk
+    logits = np.stack([make_row(rng, k, v) for k in ("normal", "ties", "neg_inf")])
+    logits[0, [rnd - 1, rnd, 2 * rnd + 5]] = 50.0       # a tie between the first two rounds of chunk 0
+    assert launch_split_argmax(logits, 2, threads).tolist() == ref.argmax(logits).tolist()
+    v = 3 * kernels.MIN_CHUNK + 5
+    parts, c = kernels.argmax_partitions(1, v)
+    assert parts == 3
+    row = make_row(rng, "ties", v)
+    row[[c - 1, c, 2 * c]] = 50.0
+    assert launch_split_argmax(row[None]).tolist() == [c - 1]
+
+
+def test_split_argmax_strided_logits():
+    """Logits that are a window of a wider buffer (row stride > V, and an offset): any strides are allowed."""
+    rng = np.random.default_rng(22)
+    wide = make_row(rng, "ties", 3 * 150).reshape(3, 150)
+    d = to_device(wide)[:, 7:7 + 131]
+    want = ref.argmax(wide[:, 7:7 + 131])
+    for partitions in (1, 3):
+        assert launch_split_argmax(wide[:, 7:7 + 131], partitions, pick(32, 256), d).tolist() == want.tolist()
+
+
+def test_argmax_partition_policy():
+    """From shapes only: no empty partition, chunks of at least MIN_CHUNK when split, about TARGET_BLOCKS
+    blocks, P = 1 for many rows, and argmax_workspace_size covering every batch up to its row count."""
+    for v in (1, 2, 100, kernels.MIN_CHUNK, 2 * kernels.MIN_CHUNK - 1, 2 * kernels.MIN_CHUNK, 49152, 128256,
+              10 ** 6):
+        need = 0
+        for s in list(range(1, 300)) + [1023, 1024, 1025, 5000]:
+            parts, chunk = kernels.argmax_partitions(s, v)
+            assert (parts - 1) * chunk < v <= parts * chunk, (s, v)
+            assert parts == 1 or (chunk >= kernels.MIN_CHUNK and s * parts < kernels.TARGET_BLOCKS + s), (s, v)
+            assert (parts == 1) == (s >= kernels.TARGET_BLOCKS or v < 2 * kernels.MIN_CHUNK), (s, v)
+            if parts > 1:
+                need = max(need, s * parts)
+            if s < 300:
+                assert kernels.argmax_workspace_size(s, v) == max(1, need), (s, v)
+    assert [kernels.argmax_partitions(s, 128256) for s in (1, 64, 256)] == [(62, 2069), (16, 8016), (4, 32064)]
+    assert kernels._partition(9, 4) == (3, 3)                               # 4 asked, 3 non-empty
+    assert kernels._partition(5, 100) == (5, 1)
+
+
+def test_split_argmax_checks_its_workspace():
+    v = 40
+    logits, out = to_device(np.zeros((3, v), np.float32)), device_empty(3, np.int32)
+    with pytest.raises(ValueError, match=r"at least 12 int32 elements \(3 rows x 4 partitions"):
+        kernels.argmax(logits, out, workspace=device_empty(11, np.int32), partitions=4)
+    with pytest.raises(TypeError, match="workspace must be int32, got float32"):
+        kernels.argmax(logits, out, workspace=device_empty(12, np.float32), partitions=4)
+    with pytest.raises(TypeError, match="workspace must be a device array"):
+        kernels.argmax(logits, out, workspace=np.zeros(12, np.int32), partitions=4)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        kernels.argmax(logits, out, workspace=device_empty((3, 4), np.int32), partitions=4)
+    with pytest.raises(ValueError, match="4 partitions need a workspace: an int32 device array of at least 12"):
+        kernels.argmax(logits, out, partitions=4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="partitions must be a positive int"):
+            kernels.argmax(logits, out, workspace=device_empty(12, np.int32), partitions=bad)
+    with pytest.raises(ValueError, match="threads must be one of"):
+        kernels.argmax(logits, out, threads=48, workspace=device_empty(12, np.int32))
+    # P = 1 needs no workspace (stage 1 writes out itself); a larger workspace than needed is fine
+    host = np.zeros((3, v), np.float32)
+    host[:, [3, 17]] = 1.0
+    kernels.argmax(to_device(host), out, partitions=1, threads=32)
+    assert out.copy_to_host().tolist() == [3, 3, 3]
+    kernels.argmax(to_device(host), out, workspace=device_empty(1000, np.int32), partitions=4, threads=32)
+    assert out.copy_to_host().tolist() == [3, 3, 3]
+    # zero rows: checked, nothing launched
+    kernels.argmax(to_device(np.zeros((0, v), np.float32)), device_empty(0, np.int32),
+                   workspace=device_empty(1, np.int32))
+
+
 # --- sample -------------------------------------------------------------------------------------------------
 
 @st.composite
@@ -239,7 +406,7 @@ def test_top_k_one_tiny_top_p_and_min_p_one_are_greedy():
     rng = np.random.default_rng(3)
     v = pick(100, 128256)
     logits = rng.standard_normal((6, v), dtype=np.float32)
-    ones, zeros = np.ones(6), np.zeros(6)
+    ones = np.ones(6)
     top_k = np.array([1, 1, 0, 0, 0, 0])
     top_p = np.array([1, 1, 1e-6, 1e-6, 1, 1])
     min_p = np.array([0, 0, 0, 0, 1, 1])

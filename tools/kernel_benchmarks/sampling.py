@@ -1,5 +1,10 @@
 """Benchmark cases for the sampling kernels (greedy argmax, top-k/top-p sampling) at the Llama-3.2 vocabulary.
 
+argmax is timed in both versions: v2 without a workspace (one block per row, the comparison), and v3 with
+one (the split argmax: stage 1 over (row, partition) blocks, stage 2 merging P indices per row; the
+launcher's P, then other P and block sizes around it, for tuning MIN_CHUNK / TARGET_BLOCKS / SPLIT_THREADS).
+The workspace is allocated once, sized for the largest case, as the runner sizes it for max_num_seqs.
+
 bytes_moved counts the logits once per pass the kernel makes over them: argmax makes one; sample makes max,
 sum and draw passes, one radix-select pass per digit its searches needed (1-3, counted here per row by
 replaying the kernel's search on the reference's p), and re-reads one chunk of each row for the draw. Rows
@@ -17,6 +22,13 @@ from tools.kernel_benchmarks.common import Case
 
 VOCAB = 128256
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
+ROWS = (1, 64, 256)
+#: split argmax cases per row count: (partitions, threads); None = the launcher's choice
+SPLIT_CASES = {
+    1: [(None, None), (None, 128), (None, 512), (16, None), (32, None), (128, None), (256, None)],
+    64: [(None, None), (None, 128), (None, 512), (4, None), (8, None), (32, None)],
+    256: [(None, None), (None, 128), (None, 512), (1, None), (2, None), (8, None)],
+}
 
 
 def radix_passes(p: np.ndarray, top_k: int, top_p: float) -> int:
@@ -65,10 +77,39 @@ def _device(a, dtype):
     return cuda.to_device(np.ascontiguousarray(a, dtype))
 
 
+def split_argmax_cases(s, d_logits, d_out, greedy, workspace) -> list[Case]:
+    """The split argmax (v3) at the launcher's policy and around it, on the shared workspace."""
+    out = []
+    for partitions, threads in SPLIT_CASES[s]:
+        parts, chunk = sampling.argmax_partitions(s, VOCAB) if partitions is None else \
+            sampling._partition(VOCAB, partitions)
+        label = (f"argmax split (v3) {s}x{VOCAB} P={parts}{'' if partitions is None else ' (override)'} "
+                 f"chunk={chunk} threads={threads or sampling.SPLIT_THREADS}")
+
+        def run(stream, d_logits=d_logits, d_out=d_out, partitions=partitions, threads=threads):
+            sampling.argmax(d_logits, d_out, stream, threads=threads, workspace=workspace, partitions=partitions)
+
+        def check(d_logits=d_logits, d_out=d_out, greedy=greedy, partitions=partitions, threads=threads):
+            d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
+            sampling.argmax(d_logits, d_out, threads=threads, workspace=workspace, partitions=partitions)
+            np.testing.assert_array_equal(d_out.copy_to_host(), greedy)
+
+        out.append(Case("sampling", label, run, check, bytes_moved=4 * s * VOCAB))
+    return out
+
+
+def split_workspace():
+    """One workspace for every split case: the runner's size for max(ROWS) rows, or more for the overrides."""
+    need = [s * (sampling.argmax_partitions(s, VOCAB) if p is None else sampling._partition(VOCAB, p))[0]
+            for s, configs in SPLIT_CASES.items() for p, _ in configs]
+    return cuda.device_array(max([sampling.argmax_workspace_size(max(ROWS), VOCAB)] + need), np.int32)
+
+
 def cases() -> list[Case]:
     rng = np.random.default_rng(0)
     out = []
-    for s in (1, 64, 256):
+    workspace = split_workspace()
+    for s in ROWS:
         # LM-like logits: a broad body (std 3) over the whole vocabulary
         logits = (rng.standard_normal((s, VOCAB)) * 3).astype(np.float32)
         d_logits, d_out = cuda.to_device(logits), cuda.device_array(s, np.int32)
@@ -92,8 +133,8 @@ def cases() -> list[Case]:
                 sampling.argmax(d_logits, d_out, threads=threads)
                 np.testing.assert_array_equal(d_out.copy_to_host(), greedy)
 
-            out.append(Case("sampling", f"argmax {s}x{VOCAB} threads={threads}", run_argmax, check_argmax,
-                            bytes_moved=logits.nbytes))
+            out.append(Case("sampling", f"argmax one block per row (v2, no workspace) {s}x{VOCAB} threads={threads}",
+                            run_argmax, check_argmax, bytes_moved=logits.nbytes))
 
             def run_sample(stream, d_logits=d_logits, d_params=d_params, d_out=d_out, threads=threads):
                 sampling.sample(d_logits, *d_params, d_out, stream, threads=threads)
@@ -113,4 +154,5 @@ def cases() -> list[Case]:
             out.append(Case("sampling", f"sample {s}x{VOCAB} T={TEMPERATURE} top_k={TOP_K} top_p={TOP_P} "
                             f"threads={threads} ({passes / s:.1f} passes)", run_sample, check_sample,
                             bytes_moved=passes * VOCAB * 4 + chunk_bytes))
+        out.extend(split_argmax_cases(s, d_logits, d_out, greedy, workspace))
     return out
