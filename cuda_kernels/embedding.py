@@ -20,9 +20,12 @@ from functools import lru_cache
 
 from numba import cuda
 
+from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import bf16_to_f32
 
-THREADS = 256
+# NOTE: 512 threads on the GPU: a 2048-wide row in 4 passes (one memory round trip each at decode, see
+# rmsnorm.py); the simulator keeps 256.
+THREADS = 256 if SIMULATOR else 512
 
 # ---------------------------------------------------------------------------------------------------------
 # kernels

@@ -22,7 +22,11 @@ from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import bf16_to_f32, block_sum
 
 # The simulator runs one Python thread per CUDA thread: keep its blocks small.
-THREADS = 64 if SIMULATOR else 256
+# NOTE: 1024 threads on the GPU: at decode one row is the whole grid, and each pass of the strided loop is a
+# round trip to memory before the next starts (the loads of a pass are used at once), so the row costs one
+# memory latency per pass: 2 passes for H = 2048 instead of 8. At 256 threads the norm took about 7 us per
+# call inside the batch-1 decode step (tools/profile_step.py, BENCHMARKS.md).
+THREADS = 64 if SIMULATOR else 1024
 
 # ---------------------------------------------------------------------------------------------------------
 # kernels

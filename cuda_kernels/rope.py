@@ -23,9 +23,12 @@ from functools import lru_cache
 
 from numba import cuda
 
+from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import f32_to_bf16
 
-THREADS = 128
+# NOTE: 512 threads on the GPU, so that one token's (Hq + Hkv) * d/2 rotation pairs take few passes (3 for
+# the 1B model): at decode each pass is a memory round trip (see rmsnorm.py); the simulator keeps 128.
+THREADS = 128 if SIMULATOR else 512
 
 # ---------------------------------------------------------------------------------------------------------
 # kernels
