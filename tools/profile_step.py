@@ -31,7 +31,19 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from numba import cuda  # noqa: E402
 from numba.cuda import dispatcher  # noqa: E402
 
+from tinyvllm.cuda_driver import driver, ok, stream_handle  # noqa: E402
+
 REPLAYS = 20
+
+
+def record_external(event, stream) -> None:
+    """Record `event` on a capturing `stream` as a node of the graph. NOTE: a plain cuEventRecord during capture
+    only orders streams and is never recorded when the graph runs (cuEventElapsedTime then fails with
+    CUDA_ERROR_INVALID_VALUE); CU_EVENT_RECORD_EXTERNAL makes it an event-record node that fires on replay."""
+    drv = driver()
+    ok(drv.cuEventRecordWithFlags(drv.CUevent(int(event.handle.value if hasattr(event.handle, "value")
+                                                  else event.handle)),
+                                  stream_handle(stream), drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
 
 
 def timed_launches(record, stream, events):
@@ -43,7 +55,7 @@ def timed_launches(record, stream, events):
     def launch_and_mark(config, *args):
         launch(config, *args)
         event = events[len(marks)]
-        event.record(stream)
+        record_external(event, stream)
         marks.append((f"{config.dispatcher.py_func.__name__} grid {tuple(config.griddim)}", event))
 
     dispatcher._LaunchConfiguration.__call__ = launch_and_mark
@@ -94,7 +106,7 @@ def profile(model_dir: Path, batch: int, context: int, precision: str) -> dict:
     start, events = cuda.event(), [cuda.event() for _ in range(64 * runner.config.num_layers)]
 
     def record(s):
-        start.record(s)
+        record_external(start, s)
         marks[:] = timed_launches(partial(forward, s, chained=True), s, events)
 
     marked = CUDAGraph(record, stream)
