@@ -57,8 +57,8 @@ Versions:
   dot product is unchanged.
 
   Numerics (the same policy as the SIMT kernel, summation order aside): K and V are bf16 already, exact as B
-  operands. Q and P are fp32: each is split into three bf16 pieces, x = hi + mid + lo exactly (matmul.py's
-  bf16x3 split), and each product is three mma into the same fp32 accumulators: every piece * bf16 product
+  operands. Q and P are fp32: each is split into three bf16 pieces, x = hi + mid + lo exactly (mma.py's
+  split_bf16x3), and each product is three mma into the same fp32 accumulators: every piece * bf16 product
   is exact, so S and P V are fp32 sums of exact products (3x the tensor-core work, still far above SIMT
   fp32). The scale, m, l, the rescaling exp(m_old - m_new) and the final division are fp32, as in
   `prefill_attention`; a masked score is -inf before exp (p = 0 exactly) and a key slot past the block's
@@ -78,8 +78,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.matmul import _halves, _pack4, _split_bf16x3  # gemm_tc's bf16x3 split and quad packing
-from cuda_kernels.mma import mma_bf16_m16n8k16
+from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
 from cuda_kernels.primitives import FULL_MASK, WARP, bf16_to_f32, warp_max, warp_sum
 
 NEG_INF = float32(-np.inf)
@@ -596,13 +595,13 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
                 if r < n_rows:
                     x0, x1, x2, x3 = q[token, head, dim], q[token, head, dim + 1], q[token, head, dim + 2], \
                         q[token, head, dim + 3]
-                h0, d0, l0 = _split_bf16x3(x0)
-                h1, d1, l1 = _split_bf16x3(x1)
-                h2, d2, l2 = _split_bf16x3(x2)
-                h3, d3, l3 = _split_bf16x3(x3)
-                q_frag[(s * R + 8 * half) * 4] = _pack4(h0, h1, h2, h3)
-                q_frag[((DS + s) * R + 8 * half) * 4] = _pack4(d0, d1, d2, d3)
-                q_frag[((2 * DS + s) * R + 8 * half) * 4] = _pack4(l0, l1, l2, l3)
+                h0, d0, l0 = split_bf16x3(x0)
+                h1, d1, l1 = split_bf16x3(x1)
+                h2, d2, l2 = split_bf16x3(x2)
+                h3, d3, l3 = split_bf16x3(x3)
+                q_frag[(s * R + 8 * half) * 4] = pack4(h0, h1, h2, h3)
+                q_frag[((DS + s) * R + 8 * half) * 4] = pack4(d0, d1, d2, d3)
+                q_frag[((2 * DS + s) * R + 8 * half) * 4] = pack4(l0, l1, l2, l3)
         for i in range(OACC):
             oacc[i] = float32(0)
         for half in range(2):
@@ -645,10 +644,10 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
                 sacc[i] = float32(0)
             for s in range(DS):
                 for p in range(3):
-                    a0, a2 = _halves(q_frag[((p * DS + s) * R) * 4])
-                    a1, a3 = _halves(q_frag[((p * DS + s) * R + 8) * 4])
+                    a0, a2 = halves(q_frag[((p * DS + s) * R) * 4])
+                    a1, a3 = halves(q_frag[((p * DS + s) * R + 8) * 4])
                     for j in range(NJ):
-                        b0, b1 = _halves(k_frag[(s * KROWS + 8 * j) * 4])
+                        b0, b1 = halves(k_frag[(s * KROWS + 8 * j) * 4])
                         sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3])
 
@@ -696,14 +695,14 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
             # (keys 16 s + 4 t, + 1 in a0 / a1, + 2, + 3 in a2 / a3), split into three bf16 pieces.
             for s in range(KS):
                 j0, j1 = 8 * s, 8 * s + 4
-                h0, d0, l0 = _split_bf16x3(sacc[j0])
-                h1, d1, l1 = _split_bf16x3(sacc[j0 + 1])
-                h2, d2, l2 = _split_bf16x3(sacc[j0 + 2])
-                h3, d3, l3 = _split_bf16x3(sacc[j0 + 3])
-                h4, d4, l4 = _split_bf16x3(sacc[j1])
-                h5, d5, l5 = _split_bf16x3(sacc[j1 + 1])
-                h6, d6, l6 = _split_bf16x3(sacc[j1 + 2])
-                h7, d7, l7 = _split_bf16x3(sacc[j1 + 3])
+                h0, d0, l0 = split_bf16x3(sacc[j0])
+                h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
+                h2, d2, l2 = split_bf16x3(sacc[j0 + 2])
+                h3, d3, l3 = split_bf16x3(sacc[j0 + 3])
+                h4, d4, l4 = split_bf16x3(sacc[j1])
+                h5, d5, l5 = split_bf16x3(sacc[j1 + 1])
+                h6, d6, l6 = split_bf16x3(sacc[j1 + 2])
+                h7, d7, l7 = split_bf16x3(sacc[j1 + 3])
                 for p in range(3):
                     if p == 0:
                         a0, a1, a2, a3 = bf16_pair(h0, h1), bf16_pair(h2, h3), bf16_pair(h4, h5), bf16_pair(h6, h7)
@@ -712,7 +711,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
                     else:
                         a0, a1, a2, a3 = bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), bf16_pair(l6, l7)
                     for j in range(DJ):
-                        b0, b1 = _halves(v_frag[(s * VROWS + 8 * j) * 4])
+                        b0, b1 = halves(v_frag[(s * VROWS + 8 * j) * 4])
                         oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
             cuda.syncthreads()  # before the next tile overwrites ks, vs

@@ -47,7 +47,7 @@ Thread mappings:
 
 The bf16x3 split (gemm_tc, fp32 mode). Tensor cores multiply bf16, but x is fp32 (DESIGN.md: GPU and
 reference may differ only in summation order). So each x is cut into three bf16 pieces, x = hi + mid + lo
-exactly (24 significant bits = 8 + 8 + 8; see _split_bf16x3), and out = hi @ W^T + mid @ W^T + lo @ W^T, three mma per
+exactly (24 significant bits = 8 + 8 + 8; see split_bf16x3), and out = hi @ W^T + mid @ W^T + lo @ W^T, three mma per
 16 x 8 x 16 tile, all into the same fp32 accumulators. A product of two bf16 (8 significant bits each) is
 exact in fp32, so every term piece * w is exact and only the order (and the tensor core's internal rounding)
 of the fp32 sums differs from the reference. W is bf16 already: one B fragment serves all three pieces.
@@ -84,8 +84,8 @@ from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda impo
 from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.mma import mma_bf16_m16n8k16
-from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits, f32_to_bf16, round_bf16, warp_sum
+from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, warp_sum
 
 # Largest M that the engine's matmul sends to gemv (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or
 # more); above it gemm_tc. NOTE: measured on the H200, cold weights: at M = 8 gemv beat gemm_tc's skinny
@@ -183,34 +183,6 @@ def _high_pair(word):
     """Elements 2 and 3 of a uint64 word of four bf16, as fp32."""
     hi = uint32(uint64(word) >> uint64(32))
     return bf16_to_f32(hi & uint32(0xFFFF)), bf16_to_f32(hi >> uint32(16))
-
-
-@cuda.jit(device=True)
-def _split_bf16x3(v):
-    """fp32 v -> (hi, mid, lo) bf16 bit patterns (uint32) with hi + mid + lo == v exactly (the bf16x3 split).
-
-    Truncation: hi keeps v's top 16 bits (sign, exponent, 7 mantissa bits), so v - hi is exact (it is v's
-    low 16 mantissa bits); mid truncates that remainder the same way, and what is left has at most 8
-    significant bits, so lo = bf16(v - hi - mid) is exact. Every piece has v's sign and |piece| <= |v|.
-    """
-    hi = f32_bits(v) >> uint32(16)
-    # NOTE: an infinite v is all hi (inf - inf would be NaN and poison a finite product); NaN stays NaN
-    rest = float32(0) if abs(v) == float32(np.inf) else v - bf16_to_f32(hi)
-    mid = f32_bits(rest) >> uint32(16)
-    lo = f32_bits(rest - bf16_to_f32(mid)) >> uint32(16)
-    return hi, mid, lo
-
-
-@cuda.jit(device=True)
-def _pack4(b0, b1, b2, b3):
-    """Four bf16 bit patterns -> one uint64, b0 in the low 16 bits (the memory order of 4 bf16)."""
-    return (uint64(b0) | (uint64(b1) << uint64(16)) | (uint64(b2) << uint64(32)) | (uint64(b3) << uint64(48)))
-
-
-@cuda.jit(device=True)
-def _halves(word):
-    """A uint64 -> (low, high) uint32 words: two mma registers of two bf16 each."""
-    return uint32(uint64(word) & uint64(0xFFFFFFFF)), uint32(uint64(word) >> uint64(32))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -568,18 +540,18 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
         @cuda.jit(device=True)
         def store_x_quad(xs, buf, s, r, t, v0, v1, v2, v3):
             """Four x values -> their bf16 roundings (nearest even), one quad of the single plane."""
-            xs[buf, 0, s, r, t] = _pack4(f32_to_bf16(v0), f32_to_bf16(v1), f32_to_bf16(v2), f32_to_bf16(v3))
+            xs[buf, 0, s, r, t] = pack4(f32_to_bf16(v0), f32_to_bf16(v1), f32_to_bf16(v2), f32_to_bf16(v3))
     else:
         @cuda.jit(device=True)
         def store_x_quad(xs, buf, s, r, t, v0, v1, v2, v3):
             """Four x values -> one quad in each of the hi, mid and lo planes (the bf16x3 split)."""
-            h0, d0, l0 = _split_bf16x3(v0)
-            h1, d1, l1 = _split_bf16x3(v1)
-            h2, d2, l2 = _split_bf16x3(v2)
-            h3, d3, l3 = _split_bf16x3(v3)
-            xs[buf, 0, s, r, t] = _pack4(h0, h1, h2, h3)
-            xs[buf, 1, s, r, t] = _pack4(d0, d1, d2, d3)
-            xs[buf, 2, s, r, t] = _pack4(l0, l1, l2, l3)
+            h0, d0, l0 = split_bf16x3(v0)
+            h1, d1, l1 = split_bf16x3(v1)
+            h2, d2, l2 = split_bf16x3(v2)
+            h3, d3, l3 = split_bf16x3(v3)
+            xs[buf, 0, s, r, t] = pack4(h0, h1, h2, h3)
+            xs[buf, 1, s, r, t] = pack4(d0, d1, d2, d3)
+            xs[buf, 2, s, r, t] = pack4(l0, l1, l2, l3)
 
     @cuda.jit(device=True)
     def store_slab(xr, wr, xs, ws, buf):
@@ -671,11 +643,11 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
             for ss in range(SW):
                 s = kg * SW + ss
                 for j in range(NJ):
-                    bf[j, 0], bf[j, 1] = _halves(ws[buf, s, wn0 + 8 * j + g, t])
+                    bf[j, 0], bf[j, 1] = halves(ws[buf, s, wn0 + 8 * j + g, t])
                 for p in range(P):
                     for i in range(MI):
-                        a0, a2 = _halves(xs[buf, p, s, wm0 + 16 * i + g, t])
-                        a1, a3 = _halves(xs[buf, p, s, wm0 + 16 * i + 8 + g, t])
+                        a0, a2 = halves(xs[buf, p, s, wm0 + 16 * i + g, t])
+                        a1, a3 = halves(xs[buf, p, s, wm0 + 16 * i + 8 + g, t])
                         for j in range(NJ):
                             acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_m16n8k16(
                                 a0, a1, a2, a3, bf[j, 0], bf[j, 1],

@@ -24,6 +24,11 @@ Two implementations, chosen at import time (the same kernel source runs on both)
   reassembles the warp's 16 x 16 A and 16 x 8 B and computes its own four D elements (products exact in
   fp32, summed in fp32, then added to C), and the block synchronises again before the scratch can be reused.
 
+Fragment helpers for the kernels that feed it (matmul.gemm_tc, attention.prefill_attention_tc):
+``split_bf16x3`` cuts an fp32 value into three bf16 pieces that sum to it exactly (so an fp32 operand costs
+three exact mma products), ``pack4`` packs four bf16 into the uint64 "quad" both kernels stage in shared
+memory, and ``halves`` splits a quad into the two uint32 registers of a fragment.
+
 ``mma_tile`` launches one warp on one tile with exactly this layout: the tests use it to check the primitive
 on its own, and a reader can follow a fragment from the matrix to the lane and back.
 
@@ -35,11 +40,11 @@ products of two bf16 values are exact in either implementation.
 """
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.primitives import WARP
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_bits
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers
@@ -102,6 +107,36 @@ else:
         """(d0, d1, d2, d3) for this lane: D = A @ B + C over the warp (see the module docstring)."""
         return _mma_asm(uint32(a0), uint32(a1), uint32(a2), uint32(a3), uint32(b0), uint32(b1),
                         float32(c0), float32(c1), float32(c2), float32(c3))
+
+
+# Fragment helpers shared by the tensor-core kernels (matmul.gemm_tc, attention.prefill_attention_tc)
+
+@cuda.jit(device=True)
+def split_bf16x3(v):
+    """fp32 v -> (hi, mid, lo) bf16 bit patterns (uint32) with hi + mid + lo == v exactly (the bf16x3 split).
+
+    Truncation: hi keeps v's top 16 bits (sign, exponent, 7 mantissa bits), so v - hi is exact (it is v's
+    low 16 mantissa bits); mid truncates that remainder the same way, and what is left has at most 8
+    significant bits, so lo = bf16(v - hi - mid) is exact. Every piece has v's sign and |piece| <= |v|.
+    """
+    hi = f32_bits(v) >> uint32(16)
+    # NOTE: an infinite v is all hi (inf - inf would be NaN and poison a finite product); NaN stays NaN
+    rest = float32(0) if abs(v) == float32(np.inf) else v - bf16_to_f32(hi)
+    mid = f32_bits(rest) >> uint32(16)
+    lo = f32_bits(rest - bf16_to_f32(mid)) >> uint32(16)
+    return hi, mid, lo
+
+
+@cuda.jit(device=True)
+def pack4(b0, b1, b2, b3):
+    """Four bf16 bit patterns -> one uint64, b0 in the low 16 bits (the memory order of 4 bf16)."""
+    return (uint64(b0) | (uint64(b1) << uint64(16)) | (uint64(b2) << uint64(32)) | (uint64(b3) << uint64(48)))
+
+
+@cuda.jit(device=True)
+def halves(word):
+    """A uint64 -> (low, high) uint32 words: two mma registers of two bf16 each."""
+    return uint32(uint64(word) & uint64(0xFFFFFFFF)), uint32(uint64(word) >> uint64(32))
 
 
 # ---------------------------------------------------------------------------------------------------------
