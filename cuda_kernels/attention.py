@@ -356,6 +356,26 @@ def _naive_kernel(head_dim: int, block_size: int):
     return prefill_naive_kernel
 
 
+@cuda.jit(device=True)
+def _row_tile(q, k_words, cu_seqlens_q, context_lens, rows):
+    """The query rows of a prefill block (grid (sequence, row tile, KV head)): with G = Hq / Hkv query heads
+    per KV head, row r of sequence s is (token r // G, head kvh * G + r % G), so a KV head's n_rows = q_len * G
+    rows are cut into tiles of `rows`. Returns (G, q_begin, n_rows, row0, first, k_end): the sequence's first
+    token in q, its row count, the tile's first row (row0 >= n_rows: an empty tile), the position of the
+    sequence's first query, and the keys any row of the tile may see (positions < k_end, causal)."""
+    seq = cuda.blockIdx.x
+    # NOTE: the last row tiles see the most keys; giving them the lowest block ids starts them first.
+    tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+    group = q.shape[1] // k_words.shape[2]
+    q_begin = cu_seqlens_q[seq]
+    q_len = cu_seqlens_q[seq + 1] - q_begin
+    n_rows = q_len * group
+    row0 = tile * rows
+    first = context_lens[seq] - q_len
+    last_row = min(row0 + rows, n_rows) - 1
+    return group, q_begin, n_rows, row0, first, first + last_row // group + 1
+
+
 @lru_cache(maxsize=None)
 def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
     D, BS, R, NW = head_dim, block_size, rows, warps
@@ -377,20 +397,11 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
     def prefill_flash_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, out):
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4) u64 (the bf16 caches, 4 per word)
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        # NOTE: the last row tiles see the most keys; giving them the lowest block ids starts them first.
-        tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
-        group = q.shape[1] // k_words.shape[2]
-        q_begin = cu_seqlens_q[seq]
-        q_len = cu_seqlens_q[seq + 1] - q_begin
-        n_rows = q_len * group                  # row r = (token r // group, head kvh * group + r % group)
-        row0 = tile * R
+        group, q_begin, n_rows, row0, first, k_end = _row_tile(q, k_words, cu_seqlens_q, context_lens, R)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
-        first = context_lens[seq] - q_len                  # position of the sequence's first query
-        last_row = min(row0 + R, n_rows) - 1
-        k_end = first + last_row // group + 1              # keys any row of this block can see
         wrow0 = warp * RW                                  # this warp's first row within the block
 
         arena = cuda.shared.array(SHARED_FLOATS, float32)  # one allocation (they are slow in the simulator)
@@ -536,21 +547,12 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
     def prefill_tc_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, out):
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4) u64 (the bf16 caches, 4 per word)
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        # NOTE: the last row tiles see the most keys; giving them the lowest block ids starts them first.
-        tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
-        group = q.shape[1] // k_words.shape[2]
-        q_begin = cu_seqlens_q[seq]
-        q_len = cu_seqlens_q[seq + 1] - q_begin
-        n_rows = q_len * group                  # row r = (token r // group, head kvh * group + r % group)
-        row0 = tile * R
+        group, q_begin, n_rows, row0, first, k_end = _row_tile(q, k_words, cu_seqlens_q, context_lens, R)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         g, t = lane // 4, lane % 4
-        first = context_lens[seq] - q_len                  # position of the sequence's first query
-        last_row = min(row0 + R, n_rows) - 1
-        k_end = first + last_row // group + 1              # keys any row of this block can see
         diag = first + row0 // group                       # tiles with a key past this need the mask
         # This lane's two rows (g and g + 8 of the warp's m16 tile) and their positions.
         r_lo = row0 + 16 * warp + g
