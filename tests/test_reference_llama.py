@@ -58,12 +58,18 @@ def test_chunked_prefill_equals_prefill_at_once(model, tokens, chunk):
     for start in range(0, len(tokens), chunk):
         last = model.forward(single_sequence_batch(tokens[start:start + chunk], start, table, BLOCK), kv)
     close(last, at_once)
-    # the caches hold the same bf16 K and V: equal, or one bf16 unit apart where the fp32 summation order
-    # flipped a rounding; the unwritten slots are NaN in both
-    for a, b in zip(kv.k + kv.v, kv_once.k + kv_once.v):
+    # The caches hold the same bf16 K and V. Layer 0's come from the same inputs in another summation order:
+    # equal, or one bf16 unit apart where that order flipped a rounding. A later layer's inputs went through
+    # attention over the earlier layers' cached (possibly flipped) values, so its K and V may differ by a
+    # few units, bounded like close()'s logits by one rounding (2^-8) of the layer's scale, with slack.
+    # The unwritten slots are NaN in both.
+    layers = len(kv.k)
+    for i, (a, b) in enumerate(zip(kv.k + kv.v, kv_once.k + kv_once.v)):
         fa, fb = bf16_to_f32(a), bf16_to_f32(b)
         assert np.array_equal(np.isnan(fa), np.isnan(fb))
-        np.testing.assert_allclose(fa[~np.isnan(fb)], fb[~np.isnan(fb)], rtol=2 ** -7, atol=0)
+        fa, fb = fa[~np.isnan(fb)], fb[~np.isnan(fb)]
+        atol = 0 if i % layers == 0 else 2 ** -7 * np.abs(fb).max()
+        np.testing.assert_allclose(fa, fb, rtol=2 ** -7, atol=atol)
 
 
 def test_a_mixed_batch_equals_each_sequence_alone(model):
