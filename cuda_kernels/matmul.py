@@ -627,7 +627,7 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
         def thread_offsets(x, w, out, offs):
             M = out.shape[0]
             N = out.shape[1]
-            K = x.shape[0] // M
+            K = k_of(x, out)
             row_words = K // 4 if w_words else K
             offs[OFFS_K] = K
             m0 = cuda.blockIdx.y * bm

@@ -96,10 +96,10 @@ class CUDARunner:
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
         self.tokens = empty(s, np.int32)                  # the last launched step's samples
-        # the split argmax's per-chunk winners (sampling.argmax_workspace_size)
-        self.argmax_workspace = empty(sampling.argmax_workspace_size(s, c.vocab_size), np.int32)
         # two host copies of them, so a step's tokens can be read while the next step's are on their way
         self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
+        # the split argmax's per-chunk winners (sampling.argmax_workspace_size)
+        self.argmax_workspace = empty(sampling.argmax_workspace_size(s, c.vocab_size), np.int32)
 
         per_block = 2 * c.num_layers * block_size * c.kv_size * 2
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
