@@ -70,12 +70,14 @@ Versions:
    conflict-free fragment loads), W read as 64-bit words when K % 4 == 0, the next slab prefetched into
    registers; skinny tiles with split-K across the warps of a block for decode batches, an optional second
    shared-memory stage (one block barrier per slab), the tile picked by shape (gemm_tc_tile).
-   Its lean addressing (GemmTcTile.lean = 1, not yet the default: written without a GPU to measure it):
-   flat shared slabs and flat x / W, each thread's staging offsets computed once instead of per slab,
-   uint64 indices (no negative-index wraparound), no k checks on interior slabs. Same layout, same sums.
-   NOTE: in the plain version integer index arithmetic is ~75% of the main loop's SASS (offline ptxas +
-   nvdisasm, 32 x 64 x 64 tile with bf16 inputs: 297 of 387 instructions per slab for 8 HMMA); lean cuts
-   that to 179 of 326, and the fragment loads become shared loads with immediate offsets.
+   Its addressing is flat: flat shared slabs and flat x / W, each thread's staging offsets computed once
+   instead of per slab, uint64 indices (no negative-index wraparound), no k checks on interior slabs.
+   NOTE: a first version indexed multi-dimensional arrays and recomputed (row, k) per slab; integer index
+   arithmetic was ~75% of its main loop's SASS (offline ptxas + nvdisasm, 32 x 64 x 64 tile with bf16
+   inputs: 297 of 387 instructions per slab for 8 HMMA). The flat map cuts that to 179 of 326 (104
+   registers instead of 128-133), and measured on the H200 it was faster on every 1B weight at M = 16, 64,
+   256 and 1024 in both modes: 1.1-1.4x, e.g. QKV at M = 64 with bf16 inputs 30.6 us against 38.6, gate/up
+   at M = 1024 in fp32 mode 1,006 against 1,389 (BENCHMARKS.md).
 5. matmul: what the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for wide weights), gemm_tc
    above (gemm in the simulator).
 """
@@ -133,7 +135,6 @@ class GemmTcTile(NamedTuple):
     kw: int = 1    # K groups: warps splitting each slab's k-steps over the same warp tiles (bk/16 % kw == 0)
     stages: int = 1  # shared-memory slab buffers: 2 = one block barrier per slab instead of two
     min_blocks: int = 0  # blocks per SM the registers must allow (ptxas launch bounds); 0: ptxas decides
-    lean: int = 0  # 1: flat, precomputed addressing (see _gemm_tc_kernel); 0: the plain multi-index version
 
 
 # gemv_config's choices (measured; see its docstring; GemvConfig() is the first version's one-load loop)
@@ -456,7 +457,7 @@ def gemm_tc_shared_bytes(tile: GemmTcTile, bf16_inputs: bool = False) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages: int, min_blocks: int,
-                    lean: int, w_words: bool, bf16_inputs: bool):
+                    w_words: bool, bf16_inputs: bool):
     """The tensor-core gemm kernel for a BM x BN block tile of WM x WN warp tiles, BK-wide K slabs split over
     KW groups of warps, STAGES shared-memory buffers.
 
@@ -466,7 +467,8 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
     "col" B is a row of W).
 
     Shared memory holds quads: a uint64 of 4 bf16 of one row at k = k0 + 16 s + 4 t .. + 3 (s: mma k-step of
-    the slab, t = 0..3), xs[buf, p, s, row, t] for piece p of x and ws[buf, s, row, t] for W. For W that is
+    the slab, t = 0..3), xs[buf, p, s, row, t] for piece p of x and ws[buf, s, row, t] for W (flat arrays in
+    that order, each row padded, see _gemm_tc_pad). For W that is
     just its memory layout (one 64-bit load). The fragments come from these quads with one 64-bit shared
     load per register pair: lane (g, t) takes quad t of rows g and g + 8 (A) and of column g (B), and uses
     low word -> a0 (row g) / a1 (row g + 8) / b0, high word -> a2 / a3 / b1.
@@ -485,18 +487,14 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
     Tails: x rows >= M, W rows >= N and k >= K are staged as zeros (K need not be a multiple of 16 or 4);
     outputs are stored only inside (M, N).
 
-    w_words: the weight comes as its uint64 view (N, K/4), 4 bf16 per load (needs K % 4 == 0); otherwise as
-    the (N, K) uint16 array, read one bf16 at a time (any K).
-
-    lean: the same algorithm and layouts with flat addressing (module docstring, version 4): x comes as
-    (M * K,) and the weight flattened likewise; load_slab, store_slab and the fragment loads are the only
-    device functions that differ.
+    x comes flat, (M * K,) (C order); the weight as its flat uint64 view (N * K/4,), 4 bf16 per load, when
+    w_words (needs K % 4 == 0); otherwise as the flat (N * K,) uint16 array, read one bf16 at a time (any K).
     """
-    tile = GemmTcTile(bm, bn, bk, wm, wn, kw, stages, min_blocks, lean)
+    tile = GemmTcTile(bm, bn, bk, wm, wn, kw, stages, min_blocks)
     if (bk % 16 or wm % 16 or wn % 8 or bm % wm or bn % wn or kw < 1 or (bk // 16) % kw or stages not in (1, 2)
-            or min_blocks < 0 or lean not in (0, 1)):
+            or min_blocks < 0):
         raise ValueError(f"gemm_tc tile {tuple(tile)}: need bk % 16, wm % 16, wn % 8, bm % wm, bn % wn and "
-                         f"(bk / 16) % kw all zero, kw >= 1, stages 1 or 2, min_blocks >= 0 and lean 0 or 1")
+                         f"(bk / 16) % kw all zero, kw >= 1, stages 1 or 2 and min_blocks >= 0")
     WARPS_N = bn // wn
     WARPS_MN = (bm // wm) * WARPS_N   # warp tiles per block tile; kw warps share each
     THREADS = WARP * WARPS_MN * kw
@@ -521,190 +519,108 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
 
     XS_PLANE = XS_ROWS * 4    # uint64 quads per (buffer, piece, k-step) plane of the x slab
     WS_PLANE = WS_ROWS * 4
-    if lean:
-        XS_SHAPE, WS_SHAPE = stages * P * S * XS_PLANE, stages * S * WS_PLANE
-        OFFS_K = 3 * (X_PER + W_PER)          # offs also keeps K, so load_slab needs no shape
-        OFFS = OFFS_K + 1
-    else:
-        XS_SHAPE, WS_SHAPE = (stages, P, S, XS_ROWS, 4), (stages, S, WS_ROWS, 4)
-        OFFS = 1
+    XS_SIZE, WS_SIZE = stages * P * S * XS_PLANE, stages * S * WS_PLANE
+    # Each thread's staging map, computed once (thread_offsets) instead of per slab: offs[e] = the flat x
+    # offset of its quad e's row start plus the quad's k (-1: a row past M, staged as zeros), offs[XP + e] =
+    # the quad's k within the slab, offs[2 XP + e] = its place in a shared plane (-1: no quad e); then the
+    # same three for W from offs[WO]; offs[OFFS_K] = K, so that load_slab needs no shape.
+    # NOTE: indexing with this map (and casting indices to uint64, which spares numba's negative-index
+    # wraparound) instead of recomputing (row, k) per slab cut the main loop's integer instructions by 40%.
+    XP = X_PER
+    WO = 3 * X_PER
+    OFFS_K = 3 * (X_PER + W_PER)
+    OFFS = OFFS_K + 1
 
-    if not lean:
-        @cuda.jit(device=True)
-        def load_slab(x, w, k0, xr, wr, offs):
-            """Global -> registers: this thread's quads of the x slab (fp32) and W slab (4 bf16 words) at k0."""
-            M = x.shape[0]
-            K = x.shape[1]
-            N = w.shape[0]
-            m0 = cuda.blockIdx.y * bm
-            n0 = cuda.blockIdx.x * bn
-            for e in range(X_PER):
-                idx = cuda.threadIdx.x + THREADS * e
-                m = m0 + idx // Q
-                k = k0 + 4 * (idx % Q)
-                for j in range(4):
-                    xr[e, j] = x[m, k + j] if idx < X_QUADS and m < M and k + j < K else float32(0)
-            for e in range(W_PER):
-                idx = cuda.threadIdx.x + THREADS * e
-                n = n0 + idx // Q
-                q = k0 // 4 + idx % Q
-                word = uint64(0)
-                if idx < W_QUADS and n < N:
-                    if w_words:
-                        if q < w.shape[1]:
-                            word = w[n, q]
-                    else:
-                        for j in range(4):
-                            if 4 * q + j < K:
-                                word |= uint64(w[n, 4 * q + j]) << uint64(16 * j)
-                wr[e] = word
+    @cuda.jit(device=True)
+    def k_of(x, out):
+        return x.shape[0] // out.shape[0]   # x is flat (M * K,)
 
-        if bf16_inputs:
-            @cuda.jit(device=True)
-            def store_x_quad(xs, buf, s, r, t, v0, v1, v2, v3):
-                """Four x values -> their bf16 roundings (nearest even), one quad of the single plane."""
-                xs[buf, 0, s, r, t] = pack4(f32_to_bf16(v0), f32_to_bf16(v1), f32_to_bf16(v2), f32_to_bf16(v3))
-        else:
-            @cuda.jit(device=True)
-            def store_x_quad(xs, buf, s, r, t, v0, v1, v2, v3):
-                """Four x values -> one quad in each of the hi, mid and lo planes (the bf16x3 split)."""
-                h0, d0, l0 = split_bf16x3(v0)
-                h1, d1, l1 = split_bf16x3(v1)
-                h2, d2, l2 = split_bf16x3(v2)
-                h3, d3, l3 = split_bf16x3(v3)
-                xs[buf, 0, s, r, t] = pack4(h0, h1, h2, h3)
-                xs[buf, 1, s, r, t] = pack4(d0, d1, d2, d3)
-                xs[buf, 2, s, r, t] = pack4(l0, l1, l2, l3)
+    @cuda.jit(device=True)
+    def thread_offsets(x, w, out, offs):
+        M = out.shape[0]
+        N = out.shape[1]
+        K = k_of(x, out)
+        row_words = K // 4 if w_words else K
+        offs[OFFS_K] = K
+        m0 = cuda.blockIdx.y * bm
+        n0 = cuda.blockIdx.x * bn
+        for e in range(X_PER):
+            idx = cuda.threadIdx.x + THREADS * e
+            r = idx // Q
+            q = idx % Q
+            offs[XP + e] = 4 * q
+            offs[2 * XP + e] = ((q // 4) * XS_ROWS + r) * 4 + q % 4 if idx < X_QUADS else -1
+            offs[e] = (m0 + r) * K + 4 * q if idx < X_QUADS and m0 + r < M else -1
+        for e in range(W_PER):
+            idx = cuda.threadIdx.x + THREADS * e
+            r = idx // Q
+            q = idx % Q
+            offs[WO + W_PER + e] = 4 * q
+            offs[WO + 2 * W_PER + e] = ((q // 4) * WS_ROWS + r) * 4 + q % 4 if idx < W_QUADS else -1
+            offs[WO + e] = (n0 + r) * row_words + (q if w_words else 4 * q) if idx < W_QUADS and n0 + r < N else -1
 
-        @cuda.jit(device=True)
-        def store_slab(xr, wr, xs, ws, buf, offs):
-            """Registers -> shared buffer buf: x as its bf16 plane(s), W words as they are."""
-            for e in range(X_PER):
-                idx = cuda.threadIdx.x + THREADS * e
-                if idx < X_QUADS:
-                    store_x_quad(xs, buf, (idx % Q) // 4, idx // Q, idx % 4, xr[e, 0], xr[e, 1], xr[e, 2], xr[e, 3])
-            for e in range(W_PER):
-                idx = cuda.threadIdx.x + THREADS * e
-                if idx < W_QUADS:
-                    ws[buf, (idx % Q) // 4, idx // Q, idx % 4] = wr[e]
+    @cuda.jit(device=True)
+    def load_slab(x, w, k0, xr, wr, offs):
+        """Global -> registers: this thread's quads of the x slab (fp32) and W slab (4 bf16 words) at k0;
+        interior slabs (k0 + bk <= K) skip the k checks."""
+        K = offs[OFFS_K]
+        whole = k0 + bk <= K
+        for e in range(X_PER):
+            o = offs[e]
+            for j in range(4):
+                v = float32(0)
+                if o >= 0 and (whole or k0 + offs[XP + e] + j < K):
+                    v = x[uint64(o + k0 + j)]
+                xr[e, j] = v
+        for e in range(W_PER):
+            o = offs[WO + e]
+            word = uint64(0)
+            if o >= 0:
+                if w_words:
+                    if whole or k0 + offs[WO + W_PER + e] < K:
+                        word = w[uint64(o + k0 // 4)]
+                else:
+                    for j in range(4):
+                        if whole or k0 + offs[WO + W_PER + e] + j < K:
+                            word |= uint64(w[uint64(o + k0 + j)]) << uint64(16 * j)
+            wr[e] = word
 
-        @cuda.jit(device=True)
-        def thread_offsets(x, w, out, offs):
-            """(The plain version recomputes its indices every slab: nothing to precompute.)"""
+    @cuda.jit(device=True)
+    def store_slab(xr, wr, xs, ws, buf, offs):
+        """Registers -> shared buffer buf: x as its bf16 plane(s) (rounded to nearest even, or the hi, mid and
+        lo planes of the bf16x3 split), W words as they are."""
+        for e in range(X_PER):
+            o = offs[2 * XP + e]
+            if o >= 0:
+                base = buf * (P * S * XS_PLANE) + o
+                if bf16_inputs:
+                    xs[uint64(base)] = pack4(f32_to_bf16(xr[e, 0]), f32_to_bf16(xr[e, 1]), f32_to_bf16(xr[e, 2]),
+                                             f32_to_bf16(xr[e, 3]))
+                else:
+                    h0, d0, l0 = split_bf16x3(xr[e, 0])
+                    h1, d1, l1 = split_bf16x3(xr[e, 1])
+                    h2, d2, l2 = split_bf16x3(xr[e, 2])
+                    h3, d3, l3 = split_bf16x3(xr[e, 3])
+                    xs[uint64(base)] = pack4(h0, h1, h2, h3)
+                    xs[uint64(base + S * XS_PLANE)] = pack4(d0, d1, d2, d3)
+                    xs[uint64(base + 2 * S * XS_PLANE)] = pack4(l0, l1, l2, l3)
+        for e in range(W_PER):
+            o = offs[WO + 2 * W_PER + e]
+            if o >= 0:
+                ws[uint64(buf * (S * WS_PLANE) + o)] = wr[e]
 
-        @cuda.jit(device=True)
-        def k_of(x, out):
-            return x.shape[1]
+    @cuda.jit(device=True)
+    def frag_a(xs, buf, p, s, r, t):
+        """A registers (a0, a1, a2, a3) of piece p, k-step s: quad t of rows r and r + 8 (see the docstring)."""
+        o = ((buf * P + p) * S + s) * XS_PLANE + r * 4 + t
+        a0, a2 = halves(xs[uint64(o)])
+        a1, a3 = halves(xs[uint64(o + 32)])   # row r + 8: 8 rows of 4 quads further
+        return a0, a1, a2, a3
 
-        @cuda.jit(device=True)
-        def frag_a(xs, buf, p, s, r, t):
-            """A registers (a0, a1, a2, a3) of piece p, k-step s: quad t of rows r and r + 8 (see the docstring)."""
-            a0, a2 = halves(xs[buf, p, s, r, t])
-            a1, a3 = halves(xs[buf, p, s, r + 8, t])
-            return a0, a1, a2, a3
-
-        @cuda.jit(device=True)
-        def frag_b(ws, buf, s, r, t):
-            """B registers (b0, b1) of k-step s: quad t of W row (tile column) r."""
-            return halves(ws[buf, s, r, t])
-
-
-    else:
-        # The lean version: xs and ws flat (plane (buf, p, s) of XS_PLANE words at ((buf * P + p) * S + s) *
-        # XS_PLANE, row r's quad t at r * 4 + t in it), x and W passed flat, and each thread's staging map
-        # computed once (offs) instead of per slab: offs[e] = x offset of quad e's row start + its k (-1: a row
-        # past M, staged as zeros), offs[XP + e] = its k within the slab, offs[2 XP + e] = its place in a plane
-        # (-1: no quad e), then the same three for W from offs[3 XP]. Indices are cast to uint64 where they
-        # index, which spares numba's negative-index wraparound; interior slabs (k0 + bk <= K) skip the k checks.
-        XP = X_PER
-        WO = 3 * X_PER
-
-        @cuda.jit(device=True)
-        def k_of(x, out):
-            return x.shape[0] // out.shape[0]   # x is flat (M * K,)
-
-        @cuda.jit(device=True)
-        def thread_offsets(x, w, out, offs):
-            M = out.shape[0]
-            N = out.shape[1]
-            K = k_of(x, out)
-            row_words = K // 4 if w_words else K
-            offs[OFFS_K] = K
-            m0 = cuda.blockIdx.y * bm
-            n0 = cuda.blockIdx.x * bn
-            for e in range(X_PER):
-                idx = cuda.threadIdx.x + THREADS * e
-                r = idx // Q
-                q = idx % Q
-                offs[XP + e] = 4 * q
-                offs[2 * XP + e] = ((q // 4) * XS_ROWS + r) * 4 + q % 4 if idx < X_QUADS else -1
-                offs[e] = (m0 + r) * K + 4 * q if idx < X_QUADS and m0 + r < M else -1
-            for e in range(W_PER):
-                idx = cuda.threadIdx.x + THREADS * e
-                r = idx // Q
-                q = idx % Q
-                offs[WO + W_PER + e] = 4 * q
-                offs[WO + 2 * W_PER + e] = ((q // 4) * WS_ROWS + r) * 4 + q % 4 if idx < W_QUADS else -1
-                offs[WO + e] = (n0 + r) * row_words + (q if w_words else 4 * q) if idx < W_QUADS and n0 + r < N else -1
-
-        @cuda.jit(device=True)
-        def load_slab(x, w, k0, xr, wr, offs):
-            """Global -> registers, as the plain version, through the precomputed offsets."""
-            K = offs[OFFS_K]
-            whole = k0 + bk <= K
-            for e in range(X_PER):
-                o = offs[e]
-                for j in range(4):
-                    v = float32(0)
-                    if o >= 0 and (whole or k0 + offs[XP + e] + j < K):
-                        v = x[uint64(o + k0 + j)]
-                    xr[e, j] = v
-            for e in range(W_PER):
-                o = offs[WO + e]
-                word = uint64(0)
-                if o >= 0:
-                    if w_words:
-                        if whole or k0 + offs[WO + W_PER + e] < K:
-                            word = w[uint64(o + k0 // 4)]
-                    else:
-                        for j in range(4):
-                            if whole or k0 + offs[WO + W_PER + e] + j < K:
-                                word |= uint64(w[uint64(o + k0 + j)]) << uint64(16 * j)
-                wr[e] = word
-
-        @cuda.jit(device=True)
-        def store_slab(xr, wr, xs, ws, buf, offs):
-            """Registers -> shared buffer buf, as the plain version, through the precomputed offsets."""
-            for e in range(X_PER):
-                o = offs[2 * XP + e]
-                if o >= 0:
-                    base = buf * (P * S * XS_PLANE) + o
-                    if bf16_inputs:
-                        xs[uint64(base)] = pack4(f32_to_bf16(xr[e, 0]), f32_to_bf16(xr[e, 1]), f32_to_bf16(xr[e, 2]),
-                                                 f32_to_bf16(xr[e, 3]))
-                    else:
-                        h0, d0, l0 = split_bf16x3(xr[e, 0])
-                        h1, d1, l1 = split_bf16x3(xr[e, 1])
-                        h2, d2, l2 = split_bf16x3(xr[e, 2])
-                        h3, d3, l3 = split_bf16x3(xr[e, 3])
-                        xs[uint64(base)] = pack4(h0, h1, h2, h3)
-                        xs[uint64(base + S * XS_PLANE)] = pack4(d0, d1, d2, d3)
-                        xs[uint64(base + 2 * S * XS_PLANE)] = pack4(l0, l1, l2, l3)
-            for e in range(W_PER):
-                o = offs[WO + 2 * W_PER + e]
-                if o >= 0:
-                    ws[uint64(buf * (S * WS_PLANE) + o)] = wr[e]
-
-        @cuda.jit(device=True)
-        def frag_a(xs, buf, p, s, r, t):
-            o = ((buf * P + p) * S + s) * XS_PLANE + r * 4 + t
-            a0, a2 = halves(xs[uint64(o)])
-            a1, a3 = halves(xs[uint64(o + 32)])   # row r + 8: 8 rows of 4 quads further
-            return a0, a1, a2, a3
-
-        @cuda.jit(device=True)
-        def frag_b(ws, buf, s, r, t):
-            return halves(ws[uint64((buf * S + s) * WS_PLANE + r * 4 + t)])
+    @cuda.jit(device=True)
+    def frag_b(ws, buf, s, r, t):
+        """B registers (b0, b1) of k-step s: quad t of W row (tile column) r."""
+        return halves(ws[uint64((buf * S + s) * WS_PLANE + r * 4 + t)])
 
     @cuda.jit(device=True)
     def store_out(acc, out, m_base, n_base):
@@ -760,13 +676,12 @@ def _gemm_tc_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, kw: int, stages
         wn0 = (v % WARPS_N) * wn
 
         # xs[buf, p, s, r, t]: bf16 piece p of x[m0 + r, k0 + 16 s + 4 t : +4], packed in a uint64;
-        # ws[buf, s, r, t]: W[n0 + r, k0 + 16 s + 4 t : +4], the same packing (see the docstring above).
-        # (flat in the lean version: the same layout, one index)
-        xs = cuda.shared.array(XS_SHAPE, uint64)
-        ws = cuda.shared.array(WS_SHAPE, uint64)
+        # ws[buf, s, r, t]: W[n0 + r, k0 + 16 s + 4 t : +4], the same packing (flat; see the docstring above).
+        xs = cuda.shared.array(XS_SIZE, uint64)
+        ws = cuda.shared.array(WS_SIZE, uint64)
         xr = cuda.local.array((X_PER, 4), float32)   # the next slab, in flight during the current one's mma
         wr = cuda.local.array(W_PER, uint64)
-        offs = cuda.local.array(OFFS, int64)         # the lean version's staging map (thread_offsets)
+        offs = cuda.local.array(OFFS, int64)         # this thread's staging map (thread_offsets)
         thread_offsets(x, w, out, offs)
         acc = cuda.local.array((MI, NJ, 4), float32)
         bf = cuda.local.array((NJ, 2), uint32)
@@ -972,20 +887,20 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
     with bf16_inputs, rounded to the nearest bf16 (one piece, a third of the mma work).
 
     tile: the block and warp tiles, K groups and stages; by default gemm_tc_tile(M, N, K) (GEMM_TC_SIM_TILE
-    in the simulator). The weight is read 4 bf16 per load through its uint64 view when K % 4 == 0 (and it is
-    C-contiguous), one bf16 per load otherwise.
+    in the simulator). x and the weight must be C-contiguous. The weight is read 4 bf16 per load through its
+    uint64 view when K % 4 == 0, one bf16 per load otherwise.
     """
     M, N, K = _check_args(x, weight, out)
+    for name, a in (("x", x), ("weight", weight)):
+        if not a.is_c_contiguous():  # the kernel indexes both as flat arrays
+            raise ValueError(f"gemm_tc: {name} must be C-contiguous, got shape {tuple(a.shape)} with strides "
+                             f"{tuple(a.strides)} (copy it into a contiguous buffer)")
     if M == 0 or N == 0:
         return
     tile = GemmTcTile(*tile) if tile else (GEMM_TC_SIM_TILE if SIMULATOR else gemm_tc_tile(M, N, K, bf16_inputs))
-    w_words = K % 4 == 0 and weight.is_c_contiguous()
+    w_words = K % 4 == 0
     w = weight.view(np.uint64) if w_words else weight
-    if tile.lean:
-        if not (x.is_c_contiguous() and weight.is_c_contiguous()):
-            tile = tile._replace(lean=0)  # the lean version indexes x and W as flat arrays
-        else:
-            x, w = x.reshape(M * K), w.reshape(w.shape[0] * w.shape[1])
+    x, w = x.reshape(M * K), w.reshape(w.shape[0] * w.shape[1])
     kernel = _gemm_tc_kernel(*tile, w_words, bool(bf16_inputs))
     grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
     kernel[grid, kernel.threads, stream](x, w, out)

@@ -137,8 +137,7 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
                     mode = "bf16" if bf16 else "fp32"
                     out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", mm.gemm_tc, x, w, dx, dw,
                                      None, tile=chosen, bf16_inputs=bf16))
-                    # every candidate, and the policy's tile with the lean addressing (GemmTcTile.lean)
-                    for tile in (*TC_CANDIDATES.get(m, ()), chosen._replace(lean=1)) if sweep else ():
+                    for tile in TC_CANDIDATES.get(m, ()) if sweep else ():
                         if tile == chosen or mm.gemm_tc_shared_bytes(tile, bf16) > mm.GEMM_TC_MAX_SHARED:
                             continue
                         out.append(_case(f"{wname} {mode} (variant: tile {_tile_label(tile)})", mm.gemm_tc,
