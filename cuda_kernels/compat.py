@@ -4,6 +4,7 @@
    ("module 'numpy' has no attribute 'row_stack'"). `row_stack` was an alias of `vstack`, so restore it.
    This must run before numba.cuda is imported.
 2. In the CUDA simulator, a race in static shared-array creation (see below).
+3. In the CUDA simulator, the cost of calling a device function that does not use `cuda` (see below).
 """
 
 import numpy as np
@@ -46,3 +47,38 @@ if SIMULATOR:
 
         _locked_shared_array.locked = True
         FakeCUDAShared.array = _locked_shared_array
+
+    # NOTE: every call of a simulated device function swaps the `cuda` name in its module's globals for the
+    # launch's fake module and back (two locks, and a scan of the module's globals whenever no other thread
+    # holds the swap). A pure arithmetic helper such as bf16_to_f32, called once per element, spent most of
+    # an engine test's time there (the simulator engine tests took 3-5 minutes each). A device function whose
+    # code never names the cuda module needs no swap, so it is called directly; the others keep the swap.
+    import types as _pytypes
+
+    from numba import cuda as _cuda
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    def _names_cuda(fn) -> bool:
+        """Whether fn's code (nested code objects included) reads a global bound to the cuda module."""
+        glob, codes = fn.__globals__, [fn.__code__]
+        while codes:
+            code = codes.pop()
+            if any(glob.get(n) is _cuda or type(glob.get(n)).__name__ == "FakeCUDAModule" for n in code.co_names):
+                return True
+            codes += [c for c in code.co_consts if isinstance(c, _pytypes.CodeType)]
+        return False
+
+    if not getattr(FakeCUDAKernel.__call__, "direct", False):
+        _swapping_call = FakeCUDAKernel.__call__
+
+        def _direct_call(self, *args):
+            if self._device:
+                direct = self.__dict__.get("_direct")
+                if direct is None:
+                    direct = self.__dict__["_direct"] = not _names_cuda(self.fn)
+                if direct:
+                    return self.fn(*args)
+            return _swapping_call(self, *args)
+
+        _direct_call.direct = True
+        FakeCUDAKernel.__call__ = _direct_call
