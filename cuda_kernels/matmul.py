@@ -63,7 +63,9 @@ Versions:
 2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows;
    several loads per row in flight per lane and, for few rows, K split over the warps of a block (the
    first version, GemvConfig(), issued one load per row at a time: 1.6-2.5x slower on the 1B weights of
-   fewer than 8192 rows, gemv_config's docstring).
+   fewer than 8192 rows, gemv_config's docstring). Two epilogue/prologue options for the engine's small
+   decode batches: norm (RMSNorm of x applied as it is read: every block first reduces its rows' sums of
+   squares) and accumulate (out += x @ W^T, the residual add).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
 4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
    rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
