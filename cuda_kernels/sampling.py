@@ -21,6 +21,15 @@ Shapes and dtypes (device arrays):
     argmax with a workspace: workspace (n,) int32, n >= argmax_workspace_size(S, V); its first S * P elements
     hold the partials, part_index[s * P + p] = the best index of partition p of row s
     sample only: temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32; uniform in [0, 1)
+    sample with a workspace: workspace (n,) uint64, n >= sample_workspace_size(S, V); its front holds, in
+    this order (P partitions, T threads per block; a unit is thread t's contiguous sub-chunk of partition p,
+    [p*chunk + t*sub, ... + sub) with sub = ceil(chunk / T), numbered p*T + t, so units run in vocabulary order):
+        hist        (S, 3, 1024) uint64   the current digit's count_k, count_p, mass_p of each row
+        state       (S, 7) int64          greedy token, k_done, k_prefix, k_left, p_done, p_prefix, p_left
+        zstate      (S, 2) float64        max z, sum of e (float32 values)
+        part_index  (S, P) int64          best index of each partition      part_low (S, P) float64  its min
+        part_sum    (S, P) float64        partial sums of e                 part_last (S, P) int64   last kept
+        unit_mass   (S, P * T) uint64     fixed-point kept mass of each unit
 
 Thread mapping:
     argmax_naive  grid = ceil(S / threads); one thread per row walks the whole row.
@@ -37,6 +46,19 @@ Thread mapping:
                   for the draw thread t owns the contiguous chunk [t*C, (t+1)*C), C = ceil(V / threads).
                   Static shared memory: 28 * threads bytes + 17 KB of histograms (45 KB at 1024 threads,
                   under the 48 KB static limit).
+    sample (workspace=) ten kernels, P and chunk from argmax_partitions(S, V) as the split argmax, T threads
+                  (SPLIT_THREADS) in every kernel; (S, P) kernels use the strided mapping within a partition,
+                  UNROLL loads in flight per thread; a row already decided makes the later kernels return:
+                  max      (S, P) the partition's best index (and min for T < 0); resets part_last, histograms
+                  sum      (S, P) merges the P winners itself (max z), float64 partial sum of e; block (s, 0)
+                           stores the greedy token, max z and where the searches start
+                  hist d   (S, P) the digit's histograms of the partition in shared memory, added to the row's
+                           with global integer atomics                                      } d = 0, 1, 2
+                  select d (S)    the digit from the row's histograms, which it clears; d = 0 also  }
+                           stores sum e (partials added in partition order)
+                  mass     (S, P) thread t: its unit's kept mass; the partition's last kept token by atomic max
+                  draw     (S)    thread t scans units [t*P, (t+1)*P) for the unit holding u * total; the
+                           block re-reads that unit in sub-chunks for the token
     Block sizes: 32-1024, powers of two (whole warps, and a divisor of the 1024 histogram bins).
 
 Passes over the row in `sample` (p is recomputed from the logits in every pass, never stored):
@@ -51,6 +73,8 @@ Passes over the row in `sample` (p is recomputed from the logits in every pass, 
     6. kept mass of each thread's chunk, a block-wide exclusive scan, the chunk holding u * total
     +  the whole block re-reads that one chunk (V / threads elements) in sub-chunks to find the token
   So 3 passes for plain temperature sampling, up to 6 with top-k or top-p (5 typical at V = 128256).
+  The split version makes the same passes, one kernel each, with a per-row kernel after each radix pass; its
+  draw pass reads every element once (the kept mass of each unit) and then one unit of each row again.
 
 Edge cases, all as the reference where it is defined: u * total rounding up to the total (or u >= 1) draws
 the last kept token; top_p <= 0 keeps the largest p (and its ties); top_k <= 0 or >= V is off. Where the
@@ -75,6 +99,12 @@ Versions:
     argmax        v3 (with workspace=): split over (row, partition) blocks, UNROLL loads in flight, a second
                   kernel merges P indices per row; bit-identical tokens to v2 (the order is total).
     sample        v1: one block per row; radix-select thresholds, fixed-point masses, two-level inverse CDF.
+                  A row per block leaves most SMs idle at small batches: 370-480 us at 1 x 128256 on the H200.
+    sample        v2 (with workspace=): the same passes split over (row, partition) blocks, ten kernels with
+                  per-row decisions in between, nothing read back to the host (CUDA-graph safe). Tokens equal
+                  v1's: thresholds and draws are the same integer searches on the same float32 p; only sum e
+                  is added in another order (float64, rounded once), which moves a token only if that sum lies
+                  within ~1e-16 of a float32 rounding boundary and the token at a boundary.
 """
 
 import math
@@ -106,6 +136,11 @@ SPLIT_THREADS = 32 if SIMULATOR else 128
 UNROLL = 8
 TARGET_BLOCKS = 1024
 MIN_CHUNK = 2048
+#: the split sample's per-row state (workspace section `state`, int64): the greedy token and both searches
+GREEDY, K_DONE, K_PREFIX, K_LEFT, P_DONE, P_PREFIX, P_LEFT = range(7)
+STATE_WORDS = 7
+#: and its float64 section `zstate`: max z and the softmax denominator (float32 values, exact in float64)
+ZMAX, TOTAL = range(2)
 
 
 def _jit_options(threads):
@@ -258,34 +293,62 @@ def _row_argmax(logits, row, vbuf, ibuf, wv, wi):
 
 
 @cuda.jit(device=True)
-def _chunk_argmax(x, start, end, xs):
-    """This thread's best (value, index) under `_beats` over x[start:end] (x: one row), strided mapping.
+def _load_round(x, base, step, end, xs):
+    """xs[k] = x[base + k * step] for every k < UNROLL with base + k * step < end: one round of independent loads.
 
-    Each round issues UNROLL independent loads (into xs, a local array of UNROLL float32 that the compiler keeps
-    in registers) before comparing any of them. NOTE: a loop that loads and compares one element at a time keeps
-    about one load in flight per thread, 4 KB per SM at 1024 resident threads, while by Little's law the H200's
-    bandwidth times its DRAM latency asks for roughly 25 KB per SM (4.25 TB/s x ~0.8 us / 132 SMs). Measured
-    on the H200 at 256 x 128256 rows, where both kernels have blocks enough: v2 (512 threads) 125 us, this
-    split 61 us (SPLIT_THREADS).
-    A thread with no element in range returns (-inf, NO_INDEX), which loses to every real element. The index
+    NOTE: a loop that loads and uses one element at a time keeps about one load in flight per thread, 4 KB per
+    SM at 1024 resident threads, while by Little's law the H200's bandwidth times its DRAM latency asks for
+    roughly 25 KB per SM (4.25 TB/s x ~0.8 us / 132 SMs); so every pass of the split kernels loads a round into
+    xs (a local array of UNROLL float32 that the compiler keeps in registers) before it uses any of it. The index
     is cast to uint64 for the load: numba then omits its negative-index wraparound (3 instructions a load).
+    """
+    for k in range(UNROLL):
+        j = base + k * step
+        if j < end:
+            xs[k] = x[uint64(j)]
+
+
+@cuda.jit(device=True)
+def _chunk_argmax(x, start, end, xs):
+    """This thread's best (value, index) under `_beats` and its smallest value over x[start:end] (x: one row),
+    strided mapping, in rounds of `_load_round`. Measured on the H200 at 256 x 128256 rows, where both argmax
+    kernels have blocks enough: v2 (512 threads, one load at a time) 125 us, the split one 61 us (SPLIT_THREADS).
+    A thread with no element in range returns (-inf, NO_INDEX, inf): it loses to every real element. The argmax
+    ignores the smallest value (the compiler drops it there); `sample` needs it for T < 0.
     """
     step = cuda.blockDim.x
     best = float32(-np.inf)
     best_index = int32(NO_INDEX)
+    lowest = float32(np.inf)
     base = start + cuda.threadIdx.x
     while base < end:
+        _load_round(x, base, step, end, xs)
         for k in range(UNROLL):
             j = base + k * step
             if j < end:
-                xs[k] = x[uint64(j)]
-        for k in range(UNROLL):
-            j = base + k * step
-            if j < end and _beats(xs[k], j, best, best_index):
-                best = xs[k]
-                best_index = int32(j)
+                if _beats(xs[k], j, best, best_index):
+                    best = xs[k]
+                    best_index = int32(j)
+                lowest = min(lowest, xs[k])
         base += UNROLL * step
-    return best, best_index
+    return best, best_index, lowest
+
+
+@cuda.jit(device=True)
+def _merge_argmax(x, indices, vbuf, ibuf, wv, wi):
+    """The best (value, index) under `_beats` among the elements x[indices[q]] (x: one row; indices: one row's
+    partition winners), to every thread; thread t takes winners t, t + threads, ... NOTE: the partials are
+    indices only; their values are read back from x (the same float32, so the same order), which keeps a
+    partial one integer. Every partition is non-empty (P = ceil(V / chunk)), so every index is a real one."""
+    best = float32(-np.inf)
+    best_index = int32(NO_INDEX)
+    for q in range(cuda.threadIdx.x, indices.shape[0], cuda.blockDim.x):
+        i = int32(indices[q])
+        if _beats(x[i], i, best, best_index):
+            best = x[i]
+            best_index = i
+    value, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
+    return float32(value), index
 
 
 @cuda.jit(device=True)
@@ -321,6 +384,209 @@ def _mass(p):
 def _kept(p, threshold):
     return p == p and _prob_bits(p) >= threshold
 
+
+@cuda.jit(device=True)
+def _search_start(k, top_p, vocab):
+    """Where the radix searches of one row begin: (k_done, k_left, p_done, p_left). A search that is off starts
+    done (and its prefix, 0, then keeps everything); top_p <= 0 looks for mass 1, the largest p, as the
+    reference's rank 0 gives; otherwise M >= top_p  <=>  M_fixed >= ceil(top_p * 2^56), M_fixed an integer."""
+    k_on = 0 < k and k < vocab
+    p_on = top_p < float32(1)
+    k_left = uint64(0)
+    if k_on:
+        k_left = uint64(k)
+    p_left = uint64(1)
+    if p_on and top_p > float32(0):
+        p_left = max(uint64(1), uint64(math.ceil(float64(top_p) * FIXED_SCALE)))
+    return not k_on, k_left, not p_on, p_left
+
+
+@cuda.jit(device=True)
+def _count(p, shift, k_done, k_prefix, p_done, p_prefix, count_k, count_p, mass_p):
+    """Adds p to the digit's histograms (shared-memory atomics) for each live search whose prefix (the digits
+    above `shift` chosen so far) p's bits share: count_k and count_p count candidates per digit value, mass_p
+    adds their fixed-point mass."""
+    bits = _prob_bits(p)
+    bucket = int32((bits >> shift) & uint32(RADIX_MASK))
+    above = shift + uint32(RADIX_BITS)  # the bits above this digit must equal the prefix
+    if not k_done and (bits >> above) == (k_prefix >> above):
+        cuda.atomic.add(count_k, bucket, 1)
+    if not p_done and (bits >> above) == (p_prefix >> above):
+        cuda.atomic.add(count_p, bucket, 1)
+        cuda.atomic.add(mass_p, bucket, _mass(p))
+
+
+@cuda.jit(device=True)
+def _select_digit(count_k, count_p, mass_p, digit, bins_per_thread, k_done, k_prefix, k_left, p_done, p_prefix,
+                  p_left, slot, abuf, bbuf, wa, wb):
+    """One digit of both radix searches, decided from its complete histograms by the whole block; returns the
+    new (k_done, k_prefix, k_left, p_done, p_prefix, p_left) to every thread.
+
+    Thread t owns bins [t * bins_per_thread, (t + 1) * bins_per_thread): a suffix scan (largest p first) tells
+    each thread how much lies above its bins, and the one thread whose bins cross the target walks them from
+    the top. Each thread then clears its bins, so the histograms are zero again for the next digit.
+    slot (12 int64, shared): two sets of six, alternating by digit so that resetting the next digit's set never
+    races a late read of this one's: +0 top-k bucket, +1 rank left, +2 bucket count, +3 top-p bucket, +4 mass
+    left, +5 bucket count. A search stops once its bucket is decided: every member needed (top-k; its lowest
+    bits are then the threshold), one member (top-p), or the last digit.
+    """
+    tid = cuda.threadIdx.x
+    s = 6 * (digit % 2)
+    if tid == 0:
+        slot[s] = -1
+        slot[s + 3] = -1
+    shift = uint32(RADIX_BITS * (RADIX_PASSES - 1 - digit))
+    lo = tid * bins_per_thread
+    ck = uint64(0)
+    mp = uint64(0)
+    for j in range(lo, lo + bins_per_thread):
+        ck += uint64(count_k[j])
+        mp += uint64(mass_p[j])
+    above_k, above_p, _, _ = _block_scan2(ck, mp, cuda.blockDim.x - 1 - tid, abuf, bbuf, wa, wb)
+    if not k_done and above_k < k_left and k_left <= above_k + ck:
+        run = above_k
+        for j in range(lo + bins_per_thread - 1, lo - 1, -1):
+            c = uint64(count_k[j])
+            if run + c >= k_left:
+                slot[s] = j
+                slot[s + 1] = int64(k_left - run)
+                slot[s + 2] = int64(c)
+                break
+            run += c
+    if not p_done and above_p < p_left and p_left <= above_p + mp:
+        run = above_p
+        for j in range(lo + bins_per_thread - 1, lo - 1, -1):
+            m = uint64(mass_p[j])
+            if run + m >= p_left:
+                slot[s + 3] = j
+                slot[s + 4] = int64(p_left - run)
+                slot[s + 5] = int64(count_p[j])
+                break
+            run += m
+    for j in range(lo, lo + bins_per_thread):  # only this thread reads these bins: clear them now
+        count_k[j] = 0
+        count_p[j] = 0
+        mass_p[j] = 0
+    cuda.syncthreads()
+    if not k_done:
+        if slot[s] < 0:  # cannot happen for 0 < k < V; keep everything rather than use garbage
+            k_prefix = uint32(0)
+            k_done = True
+        else:
+            k_prefix |= uint32(slot[s]) << shift
+            k_left = uint64(slot[s + 1])
+            k_done = uint64(slot[s + 2]) == k_left or digit == RADIX_PASSES - 1
+    if not p_done:
+        if slot[s + 3] < 0:  # only on the first digit: the total mass is short of top_p, keep all
+            p_prefix = uint32(0)
+            p_done = True
+        else:
+            p_prefix |= uint32(slot[s + 3]) << shift
+            p_left = uint64(slot[s + 4])
+            p_done = slot[s + 5] == 1 or digit == RADIX_PASSES - 1
+    return k_done, k_prefix, k_left, p_done, p_prefix, p_left
+
+
+@cuda.jit(device=True)
+def _threshold(k_prefix, p_prefix, min_p, p_max):
+    """The radix key every kept p reaches: max(t_k, t_p, t_min). A search that was off left its prefix 0."""
+    threshold = max(k_prefix, p_prefix)
+    if min_p > float32(0):
+        threshold = max(threshold, uint32(f32_bits(min_p * p_max)))
+    return threshold
+
+
+@cuda.jit(device=True)
+def _draw_target(u, kept_total):
+    """The fixed-point target of the draw: the token is the first kept one whose cumulative mass C exceeds it.
+    floor(u * total), exact enough in float64: C > u * total  <=>  C > floor(u * total) for an integer C.
+    u >= 1 or NaN: the total itself, which no C exceeds, and the caller draws the last kept token."""
+    target = kept_total
+    if u < float32(1):
+        target = uint64(0)
+        if u > float32(0):
+            target = uint64(float64(u) * float64(kept_total))
+    return target
+
+
+@cuda.jit(device=True)
+def _kept_mass(x, start, end, temperature, zmax, total, threshold, xs):
+    """(the fixed-point kept mass of x[start:end], the last kept index there with p > 0, or -1): one thread's
+    contiguous range, in rounds of `_load_round`. The last kept token with p > 0 is the draw when u * total
+    reaches the total."""
+    kept = uint64(0)
+    last = int64(-1)
+    base = start
+    while base < end:
+        _load_round(x, base, 1, end, xs)
+        for k in range(UNROLL):
+            i = base + k
+            if i < end:
+                p = _prob(xs[k], temperature, zmax, total)
+                if _kept(p, threshold):
+                    kept += _mass(p)
+                    if p > float32(0):
+                        last = int64(i)
+        base += UNROLL
+    return kept, last
+
+
+@cuda.jit(device=True)
+def _draw_in_chunk(x, start, end, temperature, zmax, total, threshold, run, target, abuf, bbuf, wa, wb):
+    """The kept token of x[start:end] at which the kept mass, `run` before start, first exceeds target, to the
+    thread that finds it (-1 to the others); target must lie in [run, run + the kept mass of the range).
+    The whole block re-reads the range in sub-chunks of ceil((end - start) / threads), scans their masses and the
+    thread whose sub-chunk crosses walks it: the sequential walk is then one or two elements, not a whole range.
+    Every thread must call it."""
+    tid = cuda.threadIdx.x
+    sub = (end - start + cuda.blockDim.x - 1) // cuda.blockDim.x
+    s_start = start + tid * sub
+    s_end = min(end, s_start + sub)
+    sub_mass = uint64(0)
+    for i in range(s_start, s_end):
+        p = _prob(x[i], temperature, zmax, total)
+        if _kept(p, threshold):
+            sub_mass += _mass(p)
+    sub_before, _, _, _ = _block_scan2(sub_mass, uint64(0), tid, abuf, bbuf, wa, wb)
+    run += sub_before
+    if run <= target and target < run + sub_mass:
+        for i in range(s_start, s_end):
+            p = _prob(x[i], temperature, zmax, total)
+            if _kept(p, threshold):
+                run += _mass(p)
+                if run > target:
+                    return int64(i)
+    return int64(-1)
+
+
+@cuda.jit(device=True)
+def _row_total(part_sum, row):
+    """The softmax denominator of a row from its partitions' float64 partial sums, added in partition order (so
+    every block that asks gets the same float32), rounded once."""
+    acc = float64(0)
+    for q in range(part_sum.shape[1]):
+        acc += part_sum[row, q]
+    return float32(acc)
+
+
+@cuda.jit(device=True)
+def _unit_range(unit, threads, chunk, vocab):
+    """[start, end) of a draw unit: thread (unit % threads)'s contiguous sub-chunk of ceil(chunk / threads)
+    elements in partition (unit // threads); empty past the partition's or the row's end."""
+    part = int64(unit) // threads
+    sub = (chunk + threads - 1) // threads
+    start = min(int64(vocab), part * chunk + (int64(unit) % threads) * sub)
+    return start, min(int64(vocab), part * chunk + chunk, start + sub)
+
+
+@cuda.jit(device=True)
+def _store_search(state, row, k_done, k_prefix, k_left, p_done, p_prefix, p_left):
+    state[row, K_DONE] = int64(k_done)
+    state[row, K_PREFIX] = int64(k_prefix)
+    state[row, K_LEFT] = int64(k_left)
+    state[row, P_DONE] = int64(p_done)
+    state[row, P_PREFIX] = int64(p_prefix)
+    state[row, P_LEFT] = int64(p_left)
 
 # --- kernels ------------------------------------------------------------------------------------------------
 
@@ -373,7 +639,7 @@ def _argmax_partial_kernel(threads):
         part = cuda.blockIdx.y
         start = int64(part) * chunk
         end = min(int64(logits.shape[1]), start + chunk)
-        best, best_index = _chunk_argmax(logits[uint64(row)], start, end, xs)
+        best, best_index, _ = _chunk_argmax(logits[uint64(row)], start, end, xs)
         _, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
         if cuda.threadIdx.x == 0:
             part_index[int64(row) * cuda.gridDim.y + part] = index
@@ -387,23 +653,13 @@ def _argmax_merge_kernel(threads):
     def argmax_merge_kernel(logits, part_index, parts, out):
         # logits (S, V) float32; part_index (S * parts,) int32 from stage 1; out (S,) int32. grid (S,), block
         # (threads,): thread t takes partials t, t + threads, ... of row s (one each when threads >= parts).
-        # NOTE: the partials are indices only; their values are read back from logits (the same float32, so
-        # the same order), which keeps the workspace one int32 array and lets P = 1 write out directly.
-        # Every partition is non-empty (the launcher's P = ceil(V / chunk)), so every index is a real one.
         vbuf = cuda.shared.array(threads, float64)
         ibuf = cuda.shared.array(threads, int32)
         wv = cuda.shared.array(WARP, float64)
         wi = cuda.shared.array(WARP, int32)
         row = cuda.blockIdx.x
-        best = float32(-np.inf)
-        best_index = int32(NO_INDEX)
-        for p in range(cuda.threadIdx.x, parts, threads):
-            i = part_index[int64(row) * parts + p]
-            x = logits[row, i]
-            if _beats(x, i, best, best_index):
-                best = x
-                best_index = i
-        _, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
+        first = int64(row) * parts
+        _, index = _merge_argmax(logits[row], part_index[first:first + parts], vbuf, ibuf, wv, wi)
         if cuda.threadIdx.x == 0:
             out[row] = index
 
@@ -430,15 +686,15 @@ def _sample_kernel(threads):
         count_k = cuda.shared.array(RADIX_BINS, int32)   # top-k: candidates per digit value
         count_p = cuda.shared.array(RADIX_BINS, int32)   # top-p: the same, for its early stop
         mass_p = cuda.shared.array(RADIX_BINS, uint64)   # top-p: candidates' fixed-point mass per digit value
-        # Values one thread finds and all threads read. Per radix digit (two sets, alternating, so resetting
-        # the next digit's never races a late read of this one's): +0 top-k bucket, +1 rank left, +2 bucket
-        # count, +3 top-p bucket, +4 mass left, +5 bucket count. Then 12 the draw's chunk, 13 the kept mass
-        # before it, 14 the token.
+        # Values one thread finds and all threads read: 0-11 the radix digits' (see _select_digit), then 12 the
+        # draw's chunk, 13 the kept mass before it, 14 the token.
         slot = cuda.shared.array(15, int64)
+        xs = cuda.local.array(UNROLL, float32)
 
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x
         vocab = logits.shape[1]
+        x = logits[row]
         t = temperature[row]
 
         # ---- pass 1: the greedy answer; for T > 0 it also gives max z, since x -> fl(x / T) is monotone
@@ -461,21 +717,9 @@ def _sample_kernel(threads):
         # ---- passes 3-5: top-k and top-p thresholds by radix select on the bits of p, most significant digit
         # first. Each search keeps a prefix (the digits chosen so far) and what is still to be found among the
         # candidates that share it: a rank for top-k, a fixed-point mass for top-p.
-        k = top_k[row]
-        k_on = 0 < k and k < vocab
-        p_on = top_p[row] < float32(1)
-        k_done = not k_on
-        p_done = not p_on
-        k_left = uint64(0)
-        if k_on:
-            k_left = uint64(k)
-        p_left = uint64(1)  # top_p <= 0: the largest p, as the reference's rank 0 gives
-        if p_on and top_p[row] > float32(0):
-            # M >= top_p  <=>  M_fixed >= ceil(top_p * 2^56), M_fixed being an integer
-            p_left = max(uint64(1), uint64(math.ceil(float64(top_p[row]) * FIXED_SCALE)))
+        k_done, k_left, p_done, p_left = _search_start(top_k[row], top_p[row], vocab)
         k_prefix = uint32(0)
         p_prefix = uint32(0)
-        lo = tid * bins_per_thread  # this thread's bins when the block searches the histograms
         if not (k_done and p_done):
             for j in range(tid, RADIX_BINS, threads):
                 count_k[j] = 0
@@ -485,132 +729,36 @@ def _sample_kernel(threads):
         for digit in range(RADIX_PASSES):
             if k_done and p_done:  # block-uniform: every thread holds the same search state
                 break
-            s = 6 * (digit % 2)
-            if tid == 0:
-                slot[s] = -1
-                slot[s + 3] = -1
             shift = uint32(RADIX_BITS * (RADIX_PASSES - 1 - digit))
-            above = shift + uint32(RADIX_BITS)  # the bits above this digit must equal the prefix
             for i in range(tid, vocab, threads):
-                p = _prob(logits[row, i], t, zmax, total)
-                bits = _prob_bits(p)
-                bucket = int32((bits >> shift) & uint32(RADIX_MASK))
-                if not k_done and (bits >> above) == (k_prefix >> above):
-                    cuda.atomic.add(count_k, bucket, 1)
-                if not p_done and (bits >> above) == (p_prefix >> above):
-                    cuda.atomic.add(count_p, bucket, 1)
-                    cuda.atomic.add(mass_p, bucket, _mass(p))
+                _count(_prob(logits[row, i], t, zmax, total), shift, k_done, k_prefix, p_done, p_prefix,
+                       count_k, count_p, mass_p)
             cuda.syncthreads()
-            # Which bucket holds the answer: a suffix scan (largest p first) tells each thread how much lies
-            # above its bins; the one thread whose bins cross the target walks them from the top.
-            ck = uint64(0)
-            mp = uint64(0)
-            for j in range(lo, lo + bins_per_thread):
-                ck += uint64(count_k[j])
-                mp += mass_p[j]
-            above_k, above_p, _, _ = _block_scan2(ck, mp, threads - 1 - tid, abuf, bbuf, wa, wb)
-            if not k_done and above_k < k_left and k_left <= above_k + ck:
-                run = above_k
-                for j in range(lo + bins_per_thread - 1, lo - 1, -1):
-                    c = uint64(count_k[j])
-                    if run + c >= k_left:
-                        slot[s] = j
-                        slot[s + 1] = int64(k_left - run)
-                        slot[s + 2] = int64(c)
-                        break
-                    run += c
-            if not p_done and above_p < p_left and p_left <= above_p + mp:
-                run = above_p
-                for j in range(lo + bins_per_thread - 1, lo - 1, -1):
-                    m = mass_p[j]
-                    if run + m >= p_left:
-                        slot[s + 3] = j
-                        slot[s + 4] = int64(p_left - run)
-                        slot[s + 5] = int64(count_p[j])
-                        break
-                    run += m
-            for j in range(lo, lo + bins_per_thread):  # only this thread reads these bins: clear them now
-                count_k[j] = 0
-                count_p[j] = 0
-                mass_p[j] = uint64(0)
-            cuda.syncthreads()
-            if not k_done:
-                if slot[s] < 0:  # cannot happen for 0 < k < V; keep everything rather than use garbage
-                    k_prefix = uint32(0)
-                    k_done = True
-                else:
-                    k_prefix |= uint32(slot[s]) << shift
-                    k_left = uint64(slot[s + 1])
-                    # once every member of the bucket is needed, its lowest bits are the threshold
-                    k_done = uint64(slot[s + 2]) == k_left or digit == RADIX_PASSES - 1
-            if not p_done:
-                if slot[s + 3] < 0:  # only on the first digit: the total mass is short of top_p, keep all
-                    p_prefix = uint32(0)
-                    p_done = True
-                else:
-                    p_prefix |= uint32(slot[s + 3]) << shift
-                    p_left = uint64(slot[s + 4])
-                    p_done = slot[s + 5] == 1 or digit == RADIX_PASSES - 1
-        threshold = uint32(0)
-        if k_on:
-            threshold = max(threshold, k_prefix)
-        if p_on:
-            threshold = max(threshold, p_prefix)
-        if min_p[row] > float32(0):
-            threshold = max(threshold, uint32(f32_bits(min_p[row] * p_max)))
+            k_done, k_prefix, k_left, p_done, p_prefix, p_left = _select_digit(
+                count_k, count_p, mass_p, digit, bins_per_thread, k_done, k_prefix, k_left, p_done, p_prefix,
+                p_left, slot, abuf, bbuf, wa, wb)
+        threshold = _threshold(k_prefix, p_prefix, min_p[row], p_max)
 
         # ---- pass 6: the draw, inverse CDF in vocabulary order; thread tid owns [tid * chunk, (tid+1) * chunk)
         chunk = (vocab + threads - 1) // threads
-        start = tid * chunk
-        end = min(vocab, start + chunk)
-        kept_mass = uint64(0)
-        last_kept = -1  # the last kept token with p > 0: the draw when u * total reaches the total
-        for i in range(start, end):
-            p = _prob(logits[row, i], t, zmax, total)
-            if _kept(p, threshold):
-                kept_mass += _mass(p)
-                if p > float32(0):
-                    last_kept = i
+        kept_mass, last_kept = _kept_mass(x, tid * chunk, min(vocab, (tid + 1) * chunk), t, zmax, total,
+                                          threshold, xs)
         if tid == 0:
             slot[12] = -1
             slot[14] = greedy  # nothing kept (NaN logits, min_p > 1): fall back to the greedy token
         before, _, kept_total, _ = _block_scan2(kept_mass, uint64(0), tid, abuf, bbuf, wa, wb)
-        u = uniform[row]
-        target = kept_total  # u >= 1 or NaN: no chunk crosses and the last kept token is drawn
-        if u < float32(1):
-            target = uint64(0)
-            if u > float32(0):
-                # floor(u * total), exact enough in float64; C > u * total  <=>  C > floor(u * total) for an
-                # integer C
-                target = uint64(float64(u) * float64(kept_total))
+        target = _draw_target(uniform[row], kept_total)
         if before <= target and target < before + kept_mass:
             slot[12] = tid
             slot[13] = int64(before)
         cuda.syncthreads()
         owner = slot[12]
         if owner >= 0:  # block-uniform
-            # The whole block re-reads the owner's chunk in sub-chunks: the last, sequential walk is then
-            # ceil(chunk / threads) elements (1-2 for V = 128256) instead of chunk (hundreds).
             c_start = owner * chunk
-            c_end = min(vocab, c_start + chunk)
-            sub = (chunk + threads - 1) // threads
-            s_start = c_start + tid * sub
-            s_end = min(c_end, s_start + sub)
-            sub_mass = uint64(0)
-            for i in range(s_start, s_end):
-                p = _prob(logits[row, i], t, zmax, total)
-                if _kept(p, threshold):
-                    sub_mass += _mass(p)
-            sub_before, _, _, _ = _block_scan2(sub_mass, uint64(0), tid, abuf, bbuf, wa, wb)
-            run = uint64(slot[13]) + sub_before
-            if run <= target and target < run + sub_mass:
-                for i in range(s_start, s_end):
-                    p = _prob(logits[row, i], t, zmax, total)
-                    if _kept(p, threshold):
-                        run += _mass(p)
-                        if run > target:
-                            slot[14] = i
-                            break
+            token = _draw_in_chunk(x, c_start, min(vocab, c_start + chunk), t, zmax, total, threshold,
+                                   uint64(slot[13]), target, abuf, bbuf, wa, wb)
+            if token >= 0:
+                slot[14] = token
         else:
             last = _block_max(float64(last_kept), vbuf, wv)
             if tid == 0 and last >= 0:
@@ -620,6 +768,289 @@ def _sample_kernel(threads):
             out[row] = int32(slot[14])
 
     return sample_kernel
+
+
+# The split sample (`sample(..., workspace=)`): ten kernels, each pass over the rows a grid (S, P) over P
+# partitions of chunk elements, a per-row kernel wherever a pass needs a decision made from all partitions.
+# Every kernel reads what the earlier ones left in the workspace (sections named as in the module docstring)
+# and does nothing for a row that is already decided, so the launch sequence depends on shapes only.
+# NOTE (shared arrays): these kernels take one shared array per element type and slice it into the reduction
+# buffers (per-thread entries, then per-warp ones), because the simulator's cuda.shared.array walks the Python
+# stack on every call: ~0.2 ms per simulated thread per array, more than a barrier costs there; and kernels
+# with an early exit declare them after it (on the GPU shared memory is static: the placement costs nothing).
+
+@lru_cache(maxsize=None)
+def _sample_max_kernel(threads):
+    reduce_size = threads + WARP  # a shared array's size must be a constant, not an expression
+
+    @cuda.jit(**_jit_options(threads))
+    def sample_max_kernel(logits, temperature, chunk, part_index, part_low, part_last, hist):
+        # logits (S, V) float32; part_index (S, P) int64; part_low (S, P) float64; part_last (S, P) int64;
+        # hist (S, 3, RADIX_BINS) uint64. grid (S, P), block (threads,): block (s, p) writes the index of the
+        # best logit of logits[s, p*chunk : (p+1)*chunk] (and for T < 0 the smallest logit's value), and resets
+        # what later passes accumulate into with atomics: its part_last to -1 and its share of row s's
+        # histograms to 0 (graph replays reuse the workspace).
+        fbuf = cuda.shared.array(reduce_size, float64)  # see NOTE (shared arrays)
+        ibuf = cuda.shared.array(reduce_size, int32)
+        vbuf, wv = fbuf[:threads], fbuf[threads:]
+        ibuf, wi = ibuf[:threads], ibuf[threads:]
+        xs = cuda.local.array(UNROLL, float32)
+        row = cuda.blockIdx.x
+        part = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        start = int64(part) * chunk
+        end = min(int64(logits.shape[1]), start + chunk)
+        best, best_index, lowest = _chunk_argmax(logits[uint64(row)], start, end, xs)
+        _, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
+        if temperature[row] < 0:  # block-uniform
+            low = -_block_max(-float64(lowest), vbuf, wv)
+            if tid == 0:
+                part_low[row, part] = low
+        if tid == 0:
+            part_index[row, part] = index
+            part_last[row, part] = -1
+        for j in range(part * threads + tid, 3 * RADIX_BINS, cuda.gridDim.y * threads):
+            hist[row, j // RADIX_BINS, j % RADIX_BINS] = 0
+
+    return sample_max_kernel
+
+
+@lru_cache(maxsize=None)
+def _sample_sum_kernel(threads):
+    reduce_size = threads + WARP  # a shared array's size must be a constant, not an expression
+
+    @cuda.jit(**_jit_options(threads))
+    def sample_sum_kernel(logits, temperature, top_k, top_p, chunk, part_index, part_low, part_sum, state,
+                          zstate):
+        # part_index, part_low (S, P) from the max pass; part_sum (S, P) float64; state (S, STATE_WORDS) int64;
+        # zstate (S, 2) float64. grid (S, P), block (threads,): every block merges its row's P max partials
+        # itself (P indices and P logits: cheaper than a kernel launch), then sums e over its partition in
+        # float64, strided mapping; block (s, 0) writes row s's greedy token, max z and the searches' start.
+        # NOTE: the partial sums are combined later in partition order (_row_total), so the denominator is
+        # deterministic; it differs from v1's (another order of float64 additions) only where two float64
+        # sums ~1e-16 apart round to different float32s.
+        fbuf = cuda.shared.array(reduce_size, float64)  # see NOTE (shared arrays)
+        ibuf = cuda.shared.array(reduce_size, int32)
+        vbuf, wv = fbuf[:threads], fbuf[threads:]
+        ibuf, wi = ibuf[:threads], ibuf[threads:]
+        xs = cuda.local.array(UNROLL, float32)
+        row = cuda.blockIdx.x
+        part = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        x = logits[uint64(row)]
+        vocab = logits.shape[1]
+        t = temperature[row]
+        best, greedy = _merge_argmax(x, part_index[row], vbuf, ibuf, wv, wi)
+        k_done, k_left, p_done, p_left = _search_start(top_k[row], top_p[row], vocab)
+        if t == 0:  # greedy: every later kernel leaves this row alone, and the draw writes the greedy token
+            k_done = True
+            p_done = True
+        if part == 0 and tid == 0:
+            state[row, GREEDY] = greedy
+            _store_search(state, row, k_done, uint32(0), k_left, p_done, uint32(0), p_left)
+        if t == 0:
+            return
+        zmax = best / t
+        if t < 0:  # max z comes from the smallest logit
+            low = float64(-np.inf)
+            for q in range(tid, part_low.shape[1], threads):
+                low = max(low, -part_low[row, q])
+            zmax = float32(-_block_max(low, vbuf, wv)) / t
+        if part == 0 and tid == 0:
+            zstate[row, ZMAX] = zmax
+        start = int64(part) * chunk
+        end = min(int64(vocab), start + chunk)
+        acc = float64(0)
+        base = start + tid
+        while base < end:
+            _load_round(x, base, threads, end, xs)
+            for k in range(UNROLL):
+                if base + k * threads < end:
+                    acc += float64(_weight(xs[k], t, zmax))
+            base += UNROLL * threads
+        acc = _block_sum(acc, vbuf, wv)
+        if tid == 0:
+            part_sum[row, part] = acc
+
+    return sample_sum_kernel
+
+
+@lru_cache(maxsize=None)
+def _sample_hist_kernel(threads):
+    @cuda.jit(**_jit_options(threads))
+    def sample_hist_kernel(logits, temperature, chunk, digit, part_sum, state, zstate, hist):
+        # hist (S, 3, RADIX_BINS) uint64: row s's count_k, count_p and mass_p for this digit. grid (S, P), block
+        # (threads,): block (s, p) builds the digit's histograms of its partition in shared memory (strided
+        # mapping) and adds its non-empty bins to row s's with global integer atomics, which give the same
+        # sums in any order. Rows whose searches are both done (or off, or T = 0) return at once.
+        row = cuda.blockIdx.x
+        part = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        k_done = state[row, K_DONE] != 0
+        p_done = state[row, P_DONE] != 0
+        if k_done and p_done:
+            return
+        counts = cuda.shared.array((2, RADIX_BINS), int32)  # see NOTE (shared arrays)
+        count_k, count_p = counts[0], counts[1]
+        mass_p = cuda.shared.array(RADIX_BINS, uint64)
+        xs = cuda.local.array(UNROLL, float32)
+        for j in range(tid, RADIX_BINS, threads):
+            count_k[j] = 0
+            count_p[j] = 0
+            mass_p[j] = uint64(0)
+        t = temperature[row]
+        zmax = float32(zstate[row, ZMAX])
+        if digit == 0:  # the first digit's select kernel has not stored the denominator yet
+            total = _row_total(part_sum, row)
+        else:
+            total = float32(zstate[row, TOTAL])
+        k_prefix = uint32(state[row, K_PREFIX])
+        p_prefix = uint32(state[row, P_PREFIX])
+        shift = uint32(RADIX_BITS * (RADIX_PASSES - 1 - digit))
+        x = logits[uint64(row)]
+        start = int64(part) * chunk
+        end = min(int64(logits.shape[1]), start + chunk)
+        cuda.syncthreads()
+        base = start + tid
+        while base < end:
+            _load_round(x, base, threads, end, xs)
+            for k in range(UNROLL):
+                if base + k * threads < end:
+                    _count(_prob(xs[k], t, zmax, total), shift, k_done, k_prefix, p_done, p_prefix,
+                           count_k, count_p, mass_p)
+            base += UNROLL * threads
+        cuda.syncthreads()
+        for j in range(tid, RADIX_BINS, threads):
+            if count_k[j] != 0:
+                cuda.atomic.add(hist, (row, 0, j), uint64(count_k[j]))
+            if count_p[j] != 0:
+                cuda.atomic.add(hist, (row, 1, j), uint64(count_p[j]))
+                cuda.atomic.add(hist, (row, 2, j), mass_p[j])
+
+    return sample_hist_kernel
+
+
+@lru_cache(maxsize=None)
+def _sample_select_kernel(threads):
+    scan_size = 2 * (threads + WARP)  # a shared array's size must be a constant, not an expression
+    bins_per_thread = RADIX_BINS // threads
+
+    @cuda.jit(**_jit_options(threads))
+    def sample_select_kernel(temperature, digit, part_sum, state, zstate, hist):
+        # grid (S,), block (threads,): row s's digit, decided from its complete histograms by `_select_digit`
+        # (which clears them for the next digit); the searches' new state goes back to `state`. The first
+        # digit's kernel also stores the denominator for the passes after it.
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        if digit == 0 and tid == 0 and temperature[row] != 0:
+            zstate[row, TOTAL] = _row_total(part_sum, row)
+        k_done = state[row, K_DONE] != 0
+        p_done = state[row, P_DONE] != 0
+        if k_done and p_done:
+            return
+        ubuf = cuda.shared.array(scan_size, uint64)  # see NOTE (shared arrays)
+        abuf, bbuf = ubuf[:threads], ubuf[threads:2 * threads]
+        wa, wb = ubuf[2 * threads:2 * threads + WARP], ubuf[2 * threads + WARP:]
+        slot = cuda.shared.array(12, int64)
+        k_done, k_prefix, k_left, p_done, p_prefix, p_left = _select_digit(
+            hist[row, 0], hist[row, 1], hist[row, 2], digit, bins_per_thread, k_done,
+            uint32(state[row, K_PREFIX]), uint64(state[row, K_LEFT]), p_done, uint32(state[row, P_PREFIX]),
+            uint64(state[row, P_LEFT]), slot, abuf, bbuf, wa, wb)
+        if tid == 0:  # every thread read the state before _select_digit's barriers
+            _store_search(state, row, k_done, k_prefix, k_left, p_done, p_prefix, p_left)
+
+    return sample_select_kernel
+
+
+@lru_cache(maxsize=None)
+def _sample_mass_kernel(threads):
+    @cuda.jit(**_jit_options(threads))
+    def sample_mass_kernel(logits, temperature, min_p, chunk, state, zstate, part_last, unit_mass):
+        # part_last (S, P) int64; unit_mass (S, P * threads) uint64. grid (S, P), block (threads,): thread t of
+        # block (s, p) owns unit p * threads + t, the contiguous sub-chunk [p*chunk + t*sub, ... + sub) with
+        # sub = ceil(chunk / threads) (units in vocabulary order), and writes its fixed-point kept mass; its
+        # last kept token with p > 0 goes to part_last by an integer atomic max (order-independent). No
+        # barrier: nothing here needs the rest of the block.
+        xs = cuda.local.array(UNROLL, float32)
+        row = cuda.blockIdx.x
+        part = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        t = temperature[row]
+        if t == 0:
+            return
+        zmax = float32(zstate[row, ZMAX])
+        total = float32(zstate[row, TOTAL])
+        threshold = _threshold(uint32(state[row, K_PREFIX]), uint32(state[row, P_PREFIX]), min_p[row],
+                               float32(1) / total)
+        start, end = _unit_range(part * threads + tid, threads, chunk, logits.shape[1])
+        kept, last = _kept_mass(logits[uint64(row)], start, end, t, zmax, total, threshold, xs)
+        unit_mass[row, part * threads + tid] = kept
+        if last >= 0:
+            cuda.atomic.max(part_last, (row, part), last)
+
+    return sample_mass_kernel
+
+
+@lru_cache(maxsize=None)
+def _sample_draw_kernel(threads):
+    scan_size = 2 * (threads + WARP)  # a shared array's size must be a constant, not an expression
+
+    @cuda.jit(**_jit_options(threads))
+    def sample_draw_kernel(logits, temperature, min_p, uniform, chunk, state, zstate, part_last, unit_mass, out):
+        # out (S,) int32. grid (S,), block (threads,), the mass pass's block size: the inverse CDF of row s in
+        # two levels, each a block scan in vocabulary order: thread t sums the kept masses of units
+        # [t*P, (t+1)*P) to find the unit holding u * total; then the block re-reads that unit
+        # (`_draw_in_chunk`). T = 0 rows get the greedy token, as do rows with nothing kept.
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        t = temperature[row]
+        if t == 0:
+            if tid == 0:
+                out[row] = int32(state[row, GREEDY])
+            return
+        ubuf = cuda.shared.array(scan_size, uint64)  # see NOTE (shared arrays)
+        abuf, bbuf = ubuf[:threads], ubuf[threads:2 * threads]
+        wa, wb = ubuf[2 * threads:2 * threads + WARP], ubuf[2 * threads + WARP:]
+        slot = cuda.shared.array(3, int64)  # the unit holding the target, the kept mass before it, the token
+        zmax = float32(zstate[row, ZMAX])
+        total = float32(zstate[row, TOTAL])
+        threshold = _threshold(uint32(state[row, K_PREFIX]), uint32(state[row, P_PREFIX]), min_p[row],
+                               float32(1) / total)
+        parts = part_last.shape[1]
+        mass = uint64(0)
+        for unit in range(tid * parts, (tid + 1) * parts):
+            mass += unit_mass[row, unit]
+        if tid == 0:
+            slot[0] = -1
+            slot[2] = state[row, GREEDY]  # nothing kept (NaN logits, min_p > 1): the greedy token
+        before, _, kept_total, _ = _block_scan2(mass, uint64(0), tid, abuf, bbuf, wa, wb)
+        target = _draw_target(uniform[row], kept_total)
+        if before <= target and target < before + mass:
+            run = before
+            for unit in range(tid * parts, (tid + 1) * parts):
+                m = unit_mass[row, unit]
+                if run + m > target:
+                    slot[0] = unit
+                    slot[1] = int64(run)
+                    break
+                run += m
+        cuda.syncthreads()
+        unit = slot[0]
+        if unit >= 0:  # block-uniform
+            start, end = _unit_range(unit, threads, chunk, logits.shape[1])
+            token = _draw_in_chunk(logits[uint64(row)], start, end, t, zmax, total, threshold, uint64(slot[1]),
+                                   target, abuf, bbuf, wa, wb)
+            if token >= 0:
+                slot[2] = token
+        elif tid == 0:  # u * total reached the total: the last kept token, if any
+            for q in range(parts):
+                if part_last[row, q] >= 0:
+                    slot[2] = part_last[row, q]
+        cuda.syncthreads()
+        if tid == 0:
+            out[row] = int32(slot[2])
+
+    return sample_draw_kernel
 
 
 # --- launchers ----------------------------------------------------------------------------------------------
@@ -694,17 +1125,28 @@ def argmax_workspace_size(num_rows, vocab) -> int:
     return max(1, most)
 
 
-def _check_workspace(workspace, needed, num_seqs, vocab, parts):
+def _check_workspace(workspace, dtype, needed, missing, layout):
+    """A 1-D device array of `dtype` with at least `needed` elements; `missing` and `layout` say what it is for."""
+    dtype = np.dtype(dtype).name
     if workspace is None:
-        raise ValueError(f"{parts} partitions need a workspace: an int32 device array of at least {needed} "
-                         f"elements (argmax_workspace_size(max rows, {vocab}))")
+        article = "an" if dtype.startswith("i") else "a"
+        raise ValueError(f"{missing} need a workspace: {article} {dtype} device array of at least {needed} elements "
+                         f"({layout})")
     _check_device("workspace", workspace)
-    if np.dtype(workspace.dtype) != np.int32:
-        raise TypeError(f"workspace must be int32, got {np.dtype(workspace.dtype).name}")
+    if np.dtype(workspace.dtype) != np.dtype(dtype):
+        raise TypeError(f"workspace must be {dtype}, got {np.dtype(workspace.dtype).name}")
     if len(workspace.shape) != 1 or workspace.shape[0] < needed:
-        raise ValueError(f"workspace must be 1-D with at least {needed} int32 elements ({num_seqs} rows x "
-                         f"{parts} partitions; argmax_workspace_size({num_seqs}, {vocab}) = "
-                         f"{argmax_workspace_size(num_seqs, vocab)}), got shape {tuple(workspace.shape)}")
+        raise ValueError(f"workspace must be 1-D with at least {needed} {dtype} elements ({layout}), got shape "
+                         f"{tuple(workspace.shape)}")
+
+
+def _split_shape(num_seqs, vocab, partitions):
+    """(P, chunk) of a split kernel: the policy (argmax_partitions), or a checked override."""
+    if partitions is None:
+        return argmax_partitions(num_seqs, vocab)
+    if isinstance(partitions, bool) or int(partitions) != partitions or partitions < 1:
+        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+    return _partition(vocab, partitions)
 
 
 def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=None):
@@ -731,14 +1173,11 @@ def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=No
         return
     threads = SPLIT_THREADS if threads is None else threads
     _check_threads(threads)
-    if partitions is None:
-        parts, chunk = argmax_partitions(num_seqs, vocab)
-    else:
-        if isinstance(partitions, bool) or int(partitions) != partitions or partitions < 1:
-            raise ValueError(f"partitions must be a positive int, got {partitions!r}")
-        parts, chunk = _partition(vocab, partitions)
+    parts, chunk = _split_shape(num_seqs, vocab, partitions)
     if parts > 1:
-        _check_workspace(workspace, num_seqs * parts, num_seqs, vocab, parts)
+        _check_workspace(workspace, np.int32, num_seqs * parts, f"{parts} partitions",
+                         f"{num_seqs} rows x {parts} partitions; argmax_workspace_size({num_seqs}, {vocab}) = "
+                         f"{argmax_workspace_size(num_seqs, vocab)}")
     if num_seqs == 0:
         return
     if parts == 1:  # stage 1 alone: its one partial per row is the token
@@ -750,17 +1189,82 @@ def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=No
     _argmax_merge_kernel(merge_threads)[num_seqs, merge_threads, stream](logits, part_index, parts, out)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, threads=DEFAULT_THREADS):
-    """Next tokens as reference/sampling.sample, one block per row; every argument is a device array.
+def _sample_sections(workspace, num_rows, parts, threads):
+    """The split sample's workspace sections, typed views of its front in this order (the module docstring
+    gives their meaning): hist, state, zstate, part_index, part_low, part_sum, part_last, unit_mass. With
+    workspace None: the number of uint64 elements they take."""
+    s, p = int(num_rows), int(parts)
+    layout = ((np.uint64, (s, 3, RADIX_BINS)), (np.int64, (s, STATE_WORDS)), (np.float64, (s, 2)),
+              (np.int64, (s, p)), (np.float64, (s, p)), (np.float64, (s, p)), (np.int64, (s, p)),
+              (np.uint64, (s, p * int(threads))))
+    views, offset = [], 0
+    for dtype, shape in layout:
+        n = math.prod(shape)
+        if workspace is not None:
+            views.append(workspace[offset:offset + n].view(dtype).reshape(shape))
+        offset += n
+    return offset if workspace is None else views
+
+
+def sample_workspace_size(num_rows, vocab, threads=None) -> int:
+    """uint64 elements of the split sample's workspace for every batch of up to num_rows rows of V logits, at
+    the launcher's policy and `threads` (default SPLIT_THREADS): the runner allocates it once for
+    max_num_seqs (`sample(..., workspace=)`). At least 1, so it can be allocated. Llama 3's V = 128256 at
+    128 threads: 256 rows need 7.4 MB, one row 0.09 MB."""
+    threads = SPLIT_THREADS if threads is None else threads
+    # from TARGET_BLOCKS rows on P = 1, and the size only grows with the rows
+    counts = list(range(1, min(int(num_rows), TARGET_BLOCKS) + 1)) + [int(num_rows)]
+    return max([1] + [_sample_sections(None, s, argmax_partitions(s, vocab)[0], threads)
+                      for s in counts if s > 0])
+
+
+def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, threads=None, *, workspace=None,
+           partitions=None):
+    """Next tokens as reference/sampling.sample; every argument is a device array.
 
     temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32 (0 or >= V: off); out (S,) int32.
+    workspace: None, or a uint64 device array of at least sample_workspace_size(max rows, V) elements (the
+    runner allocates one for max_num_seqs and passes it on every call; its contents before the call do not
+    matter). Without it: v1, one block per row (threads defaults to DEFAULT_THREADS). With it: v2, the split
+    sample, ten kernels over P = argmax_partitions(S, V) partitions per row (threads defaults to
+    SPLIT_THREADS, for every kernel of the sequence).
+    partitions: override the policy (tests and benchmarks): any positive int is correct, at most V are used;
+    v2 always needs a workspace (its histograms and row state live there), also for P = 1.
     """
-    num_seqs, _ = _check_logits(logits, out)
+    num_seqs, vocab = _check_logits(logits, out)
     for name, array, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
                                ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
                                ("uniform", uniform, np.float32)):
         _check(name, array, dtype, (num_seqs,))
+    if workspace is None and partitions is None:
+        threads = DEFAULT_THREADS if threads is None else threads
+        _check_threads(threads)
+        if num_seqs == 0:
+            return
+        _sample_kernel(threads)[num_seqs, threads, stream](logits, temperature, top_k, top_p, min_p, uniform, out)
+        return
+    threads = SPLIT_THREADS if threads is None else threads
     _check_threads(threads)
+    parts, chunk = _split_shape(num_seqs, vocab, partitions)
+    _check_workspace(workspace, np.uint64, _sample_sections(None, num_seqs, parts, threads),
+                     "the split sample's kernels", f"{num_seqs} rows x {parts} partitions x {threads} threads; "
+                     f"sample_workspace_size({num_seqs}, {vocab}, {threads}) = "
+                     f"{sample_workspace_size(num_seqs, vocab, threads)}")
     if num_seqs == 0:
         return
-    _sample_kernel(threads)[num_seqs, threads, stream](logits, temperature, top_k, top_p, min_p, uniform, out)
+    hist, state, zstate, part_index, part_low, part_sum, part_last, unit_mass = \
+        _sample_sections(workspace, num_seqs, parts, threads)
+    grid = (num_seqs, parts)
+    _sample_max_kernel(threads)[grid, threads, stream](logits, temperature, chunk, part_index, part_low,
+                                                       part_last, hist)
+    _sample_sum_kernel(threads)[grid, threads, stream](logits, temperature, top_k, top_p, chunk, part_index,
+                                                       part_low, part_sum, state, zstate)
+    for digit in range(RADIX_PASSES):
+        _sample_hist_kernel(threads)[grid, threads, stream](logits, temperature, chunk, digit, part_sum, state,
+                                                            zstate, hist)
+        _sample_select_kernel(threads)[num_seqs, threads, stream](temperature, digit, part_sum, state, zstate,
+                                                                  hist)
+    _sample_mass_kernel(threads)[grid, threads, stream](logits, temperature, min_p, chunk, state, zstate,
+                                                        part_last, unit_mass)
+    _sample_draw_kernel(threads)[num_seqs, threads, stream](logits, temperature, min_p, uniform, chunk, state,
+                                                            zstate, part_last, unit_mass, out)

@@ -1,5 +1,5 @@
 """Sampling kernels against reference/sampling.py: argmax (v2 without a workspace, the split v3 with one),
-argmax_naive and sample.
+argmax_naive and sample (v1 without a workspace, the split v2 with one).
 
 Greedy tokens must equal the reference's exactly. A sampled token may differ from the reference's only
 where floating-point summation order can legitimately decide it: the reference sums p in float32 (a
@@ -351,9 +351,9 @@ def test_split_argmax_checks_its_workspace():
 # --- sample -------------------------------------------------------------------------------------------------
 
 @st.composite
-def sampling_batches(draw):
+def sampling_batches(draw, num_rows=rows, vocab_sizes=vocabs, threads=block_sizes):
     """(logits, temperature, top_k, top_p, min_p, uniform, threads): per-row kinds and parameters."""
-    num_seqs, vocab, threads = draw(rows), draw(vocabs), draw(block_sizes)
+    num_seqs, vocab, threads = draw(num_rows), draw(vocab_sizes), draw(threads)
     rng = np.random.default_rng(draw(seeds))
     # the first row's parameters are drawn; further rows (on the GPU, up to hundreds) mix them at random
     first = dict(
@@ -385,10 +385,9 @@ def test_sample_matches_reference(batch):
     assert_tokens_match(launch_sample(*args, threads), *args)
 
 
-def test_sample_extreme_rows_in_one_launch():
-    """Every kind of row and filter at once, so each run covers them whatever hypothesis draws."""
+def extreme_rows(v):
+    """(logits, temperature, top_k, top_p, min_p) of nine rows: every kind of row and filter at once."""
     rng = np.random.default_rng(7)
-    v = pick(150, 49152)
     kinds = ["normal", "ties", "equal", "neg_inf", "huge", "very_negative", "peaked", "flat", "normal"]
     logits = np.stack([make_row(rng, k, v) for k in kinds])
     # the last row's negative temperature is outside SamplingParams but defined by the reference: p of -l
@@ -396,9 +395,14 @@ def test_sample_extreme_rows_in_one_launch():
     top_k = np.array([1, 5, 3, 0, 2, 50, v, v - 1, 0], np.int32)
     top_p = np.array([1, 0.9, 0.5, 0.95, 1e-6, 0.2, BELOW_ONE, 0.7, 1], np.float32)
     min_p = np.array([0, 0.1, 0, 0.01, 0, 0.05, 1.0, 0, 0.1], np.float32)
+    return logits, temperature, top_k, top_p, min_p
+
+
+def test_sample_extreme_rows_in_one_launch():
+    """Every kind of row and filter at once, so each run covers them whatever hypothesis draws."""
+    params = extreme_rows(pick(150, 49152))
     for u in (0.0, 0.37, BELOW_ONE):
-        uniform = np.full(len(kinds), u, np.float32)
-        args = (logits, temperature, top_k, top_p, min_p, uniform)
+        args = (*params, np.full(9, u, np.float32))
         assert_tokens_match(launch_sample(*args, pick(32, 512)), *args)
 
 
@@ -572,6 +576,165 @@ def test_the_oracle_accepts_legitimate_rounding_differences():
     assert differ >= 5
 
 
+# --- split sample (sample with a workspace) -----------------------------------------------------------------
+#
+# The split sample runs ten kernels over (row, partition) blocks: under the simulator each costs tens of ms per
+# block, so there these tests keep to few rows and partitions; the GPU profile runs them at real sizes.
+
+POISON64 = 0x5A5A5A5A5A5A5A5A  # as int64 an index past any row, as float64 ~1e127, as a count or mass absurd
+
+
+def split_sample_size(num_seqs, vocab, partitions, threads):
+    """uint64 elements that this launch needs: the runner's size, or more for an override of P."""
+    parts, _ = split_shape(num_seqs, vocab, partitions)
+    t = kernels.SPLIT_THREADS if threads is None else threads
+    return max(kernels._sample_sections(None, num_seqs, parts, t), kernels.sample_workspace_size(num_seqs, vocab, t))
+
+
+def launch_split_sample(logits, temperature, top_k, top_p, min_p, uniform, partitions=None, threads=None,
+                        workspace=None):
+    """The split sample into a poisoned out, on `workspace` or on a fresh poisoned one: a kernel that read a
+    section no earlier kernel of this launch wrote (an unreset histogram, a partial of another row) fails."""
+    if workspace is None:
+        size = split_sample_size(*logits.shape, partitions, threads)
+        workspace = to_device(np.full(size, POISON64, np.uint64))
+    out = to_device(np.full(logits.shape[0], -1, np.int32))
+    params = [to_device(np.asarray(a, d)) for a, d in ((temperature, np.float32), (top_k, np.int32),
+                                                       (top_p, np.float32), (min_p, np.float32),
+                                                       (uniform, np.float32))]
+    kernels.sample(to_device(logits), *params, out, threads=threads, workspace=workspace, partitions=partitions)
+    return out.copy_to_host()
+
+
+# one or two rows of tiny vocabularies in the simulator (1, around a warp, not a multiple of any chunk)
+split_sample_rows = st.integers(1, 2) if SIM else st.one_of(st.integers(1, 5), rows)
+split_sample_vocabs = st.sampled_from([1, 2, 33, 100]) | st.integers(1, 120) if SIM else vocabs
+# None: the launcher's policy (P = 1 at simulator sizes); on the GPU up to 400, more partitions than tokens
+# for the small vocabularies (P = V then; in the simulator
+# test_split_sample_boundaries_fallbacks_and_a_reused_workspace has that case)
+split_sample_partitions = st.sampled_from([None, 1, 2, 3] + pick([], [16, 62, 200, 400]))
+
+
+@settings(max_examples=pick(3, 25))
+@given(sampling_batches(split_sample_rows, split_sample_vocabs, st.sampled_from(pick([32], [128, 256, 1024]))),
+       split_sample_partitions)
+def test_split_sample_matches_reference_and_v1(batch, partitions):
+    """As the reference (through the oracle), and the same tokens as the one-block-per-row kernel: its
+    thresholds and draws are exact integer searches on the same float32 p. (The denominators are float64 sums
+    in another order, rounded to float32: they could differ, and with them a token at a boundary, only where
+    the sum falls within ~1e-16 of a float32 rounding boundary; no test row comes near that.)"""
+    *args, threads = batch
+    got = launch_split_sample(*args, partitions, threads)
+    assert_tokens_match(got, *args)
+    np.testing.assert_array_equal(got, launch_sample(*args, threads))
+
+
+def test_split_sample_extreme_rows():
+    """The extreme rows of test_sample_extreme_rows_in_one_launch, split, each row with its own u (a uniform per
+    row is what the runner passes); on the GPU, each u for every row, several partition counts, and v1's
+    tokens exactly."""
+    args = extreme_rows(pick(150, 49152))
+    cycle = np.resize(np.array([0.0, 0.37, BELOW_ONE], np.float32), 9)
+    for uniform in pick([cycle], [np.full(9, u, np.float32) for u in (0.0, 0.37, BELOW_ONE)]):
+        for partitions in pick([2], [None, 3, 64]):
+            got = launch_split_sample(*args, uniform, partitions, pick(32, 256))
+            assert_tokens_match(got, *args, uniform)
+            if not SIM:
+                np.testing.assert_array_equal(got, launch_sample(*args, uniform, 256))
+
+
+def test_split_sample_boundaries_fallbacks_and_a_reused_workspace():
+    """Exact draw boundaries on a partition edge (p = 1/4 each, no rounding anywhere), u = 1 (no unit crosses
+    the target: the last kept token, through part_last), a greedy row and a row where nothing is kept (the
+    greedy token); then the same workspace again for another batch, as CUDA-graph replays reuse it, with more
+    partitions asked than there are tokens."""
+    threads = pick(32, 128)
+    logits = np.zeros((4, 4), np.float32)
+    logits[1, 2:] = -np.inf                               # p = 1/2, 1/2, 0, 0
+    logits[2] = [1, 3, 3, 2]                              # greedy: the first of the tied maxima
+    temperature = np.array([1, 1, 0, 1], np.float32)
+    uniform = np.array([0.5, 1.0, 0.5, 0.5], np.float32)
+    min_p = np.array([0, 0, 0, 1.5], np.float32)          # min_p > 1 keeps nothing: the greedy token, 0
+    zeros, ones = np.zeros(4), np.ones(4)
+    workspace = to_device(np.full(split_sample_size(4, 4, 4, threads), POISON64, np.uint64))
+    # P = 2: u * total is the edge between the partitions, and token 2 the first past it
+    got = launch_split_sample(logits, temperature, zeros, ones, min_p, uniform, 2, threads, workspace)
+    assert got.tolist() == [2, 1, 1, 0]
+    assert got[:3].tolist() == ref.sample(logits[:3], temperature[:3], zeros[:3], ones[:3], min_p[:3],
+                                          uniform[:3]).tolist()
+    # the used workspace for another row, 5 partitions asked of 4 tokens (P = 4 of one token each)
+    args = (make_row(np.random.default_rng(13), "peaked", 4)[None], np.ones(1), np.array([2]), np.array([0.9]),
+            np.array([0.1]), np.array([0.6]))
+    assert_tokens_match(launch_split_sample(*args, 5, threads, workspace), *args)
+    # V = 1
+    single = (np.ones((1, 1), np.float32), np.ones(1), np.ones(1), np.full(1, 0.5), np.zeros(1), np.full(1, 0.7))
+    assert launch_split_sample(*single, 1000, threads, workspace).tolist() == [0]
+
+
+def test_split_sample_walks_a_long_unit():
+    """A unit (one thread's sub-chunk of a partition) longer than the block: the draw's last level gives each
+    thread more than one element of it, and the token sits past the unit's first `threads` places."""
+    rng = np.random.default_rng(9)
+    threads, parts = pick(32, 128), 2
+    v = parts * (threads * threads + 3 * threads)
+    chunk = -(-v // parts)
+    sub = -(-chunk // threads)
+    assert sub > threads
+    row = make_row(rng, "flat", v)
+    kept = ref.sampling_probs(row, 1.0, 0, 1.0, 0.0).astype(np.float64)
+    c = np.cumsum(kept)
+    unit_start = chunk + 2 * sub                           # unit 2 of partition 1
+    j = unit_start + threads + 1 + int(np.argmax(kept[unit_start + threads + 1:unit_start + sub]))
+    # one row per u (rows are independent): the middle of token j, and the very end
+    args = (np.stack([row, row]), np.ones(2), np.zeros(2), np.ones(2), np.zeros(2),
+            np.array([(c[j] - kept[j] / 2) / c[-1], BELOW_ONE]))
+    got = launch_split_sample(*args, parts, threads)
+    assert_tokens_match(got, *args)
+    assert got[0] == j
+
+
+def test_sample_workspace_size_covers_every_batch():
+    """From shapes only: sample_workspace_size(n, V) is the most that any batch of up to n rows needs at the
+    launcher's policy, for the default block size and others."""
+    for v in (1, 100, kernels.MIN_CHUNK, 2 * kernels.MIN_CHUNK, 49152, 128256):
+        for threads in (None, 32, 1024):
+            t = kernels.SPLIT_THREADS if threads is None else threads
+            need = [kernels._sample_sections(None, s, kernels.argmax_partitions(s, v)[0], t) for s in range(1, 301)]
+            for n in (1, 2, 64, 256, 300):
+                assert kernels.sample_workspace_size(n, v, threads) == max(need[:n]), (v, threads, n)
+    assert kernels.sample_workspace_size(0, 128256) == 1
+    big = kernels.sample_workspace_size(5000, 128256)                  # past TARGET_BLOCKS rows P = 1
+    assert big == kernels._sample_sections(None, 5000, 1, kernels.SPLIT_THREADS)
+
+
+def test_split_sample_checks_its_workspace():
+    v = 40
+    logits, out = to_device(np.zeros((3, v), np.float32)), device_empty(3, np.int32)
+    f32, i32 = to_device(np.ones(3, np.float32)), to_device(np.zeros(3, np.int32))
+    params = (f32, i32, f32, f32, f32)
+    need = kernels._sample_sections(None, 3, 4, 32)
+    with pytest.raises(ValueError, match=rf"at least {need} uint64 elements \(3 rows x 4 partitions x 32 threads"):
+        kernels.sample(logits, *params, out, threads=32, workspace=device_empty(need - 1, np.uint64), partitions=4)
+    with pytest.raises(TypeError, match="workspace must be uint64, got int32"):
+        kernels.sample(logits, *params, out, threads=32, workspace=device_empty(need, np.int32), partitions=4)
+    with pytest.raises(TypeError, match="workspace must be a device array"):
+        kernels.sample(logits, *params, out, threads=32, workspace=np.zeros(need, np.uint64), partitions=4)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        kernels.sample(logits, *params, out, threads=32, workspace=device_empty((need, 2), np.uint64))
+    for partitions in (1, 4):  # every split launch needs one, P = 1 included (histograms and row state)
+        with pytest.raises(ValueError, match="the split sample's kernels need a workspace: a uint64 device array"):
+            kernels.sample(logits, *params, out, partitions=partitions)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="partitions must be a positive int"):
+            kernels.sample(logits, *params, out, workspace=device_empty(need, np.uint64), partitions=bad)
+    with pytest.raises(ValueError, match="threads must be one of"):
+        kernels.sample(logits, *params, out, threads=48, workspace=device_empty(need, np.uint64))
+    # zero rows: checked, nothing launched
+    kernels.sample(to_device(np.zeros((0, v), np.float32)), *[device_empty(0, d) for d in
+                   (np.float32, np.int32, np.float32, np.float32, np.float32)], device_empty(0, np.int32),
+                   workspace=device_empty(1, np.uint64))
+
+
 # --- launchers ----------------------------------------------------------------------------------------------
 
 def test_launchers_reject_bad_arguments():
@@ -612,3 +775,17 @@ def test_sample_on_a_llama_sized_batch():
     logits = np.stack([make_row(rng, "peaked" if i % 2 else "normal", v) for i in range(s)])
     args = (logits, np.full(s, 0.8), np.full(s, 50), np.full(s, 0.9), np.zeros(s), rng.random(s))
     assert_tokens_match(launch_sample(*args, 512), *args)
+
+
+@pytest.mark.skipif(SIM, reason="GPU only: real shapes")
+def test_split_sample_on_llama_sized_batches():
+    """The runner's case: the launcher's policy and workspace size, at 1, 64 and 256 rows of 128256."""
+    rng = np.random.default_rng(6)
+    v = 128256
+    workspace = to_device(np.full(kernels.sample_workspace_size(256, v), POISON64, np.uint64))
+    for s in (1, 64, 256):
+        logits = np.stack([make_row(rng, "peaked" if i % 2 else "normal", v) for i in range(s)])
+        args = (logits, np.full(s, 0.8), np.full(s, 50), np.full(s, 0.9), np.zeros(s), rng.random(s))
+        got = launch_split_sample(*args, workspace=workspace)
+        assert_tokens_match(got, *args)
+        np.testing.assert_array_equal(got, launch_sample(*args, 512))

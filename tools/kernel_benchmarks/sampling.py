@@ -3,12 +3,15 @@
 argmax is timed in both versions: v2 without a workspace (one block per row, the comparison), and v3 with
 one (the split argmax: stage 1 over (row, partition) blocks, stage 2 merging P indices per row; the
 launcher's P, then other P and block sizes around it, for tuning MIN_CHUNK / TARGET_BLOCKS / SPLIT_THREADS).
-The workspace is allocated once, sized for the largest case, as the runner sizes it for max_num_seqs.
+sample likewise: v1 without a workspace (one block per row) and v2 with one (the split sample: ten kernels
+over (row, partition) blocks; the launcher's P and block size, then others around them).
+The workspaces are allocated once, sized for the largest case, as the runner sizes them for max_num_seqs.
 
 bytes_moved counts the logits once per pass the kernel makes over them: argmax makes one; sample makes max,
 sum and draw passes, one radix-select pass per digit its searches needed (1-3, counted here per row by
-replaying the kernel's search on the reference's p), and re-reads one chunk of each row for the draw. Rows
-stay partly in L2 between passes, so this is the traffic the kernel asks for, not what reaches DRAM.
+replaying the kernel's search on the reference's p), and re-reads one chunk of each row for the draw (v2: one
+unit, chunk / threads elements). Rows stay partly in L2 between passes, so this is the traffic the kernel asks
+for, not what reaches DRAM.
 """
 
 import math
@@ -28,6 +31,13 @@ SPLIT_CASES = {
     1: [(None, None), (None, 128), (None, 512), (16, None), (32, None), (128, None), (256, None)],
     64: [(None, None), (None, 128), (None, 512), (4, None), (8, None), (32, None)],
     256: [(None, None), (None, 128), (None, 512), (1, None), (2, None), (8, None)],
+}
+
+#: split sample cases per row count, the same way
+SPLIT_SAMPLE_CASES = {
+    1: [(None, None), (None, 256), (124, None), (248, None)],
+    64: [(None, None), (None, 256), (32, None)],
+    256: [(None, None), (None, 256), (8, None)],
 }
 
 
@@ -98,6 +108,42 @@ def split_argmax_cases(s, d_logits, d_out, greedy, workspace) -> list[Case]:
     return out
 
 
+def split_sample_cases(s, d_logits, d_params, d_out, sampled, passes, workspace) -> list[Case]:
+    """The split sample (v2) at the launcher's policy and around it, on the shared workspace."""
+    out = []
+    for partitions, threads in SPLIT_SAMPLE_CASES[s]:
+        parts, chunk = sampling.argmax_partitions(s, VOCAB) if partitions is None else \
+            sampling._partition(VOCAB, partitions)
+        t = threads or sampling.SPLIT_THREADS
+        label = (f"sample split (v2) {s}x{VOCAB} T={TEMPERATURE} top_k={TOP_K} top_p={TOP_P} P={parts}"
+                 f"{'' if partitions is None else ' (override)'} chunk={chunk} threads={t} ({passes / s:.1f} passes)")
+
+        def run(stream, partitions=partitions, threads=threads):
+            sampling.sample(d_logits, *d_params, d_out, stream, threads=threads, workspace=workspace,
+                            partitions=partitions)
+
+        def check(partitions=partitions, threads=threads):
+            d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
+            sampling.sample(d_logits, *d_params, d_out, threads=threads, workspace=workspace, partitions=partitions)
+            got = d_out.copy_to_host()
+            differ = int(np.count_nonzero(got != sampled))  # as check_sample in cases()
+            assert differ <= max(1, s // 100), f"{differ} of {s} sampled tokens differ from the reference"
+            sampling.sample(d_logits, *d_params, d_out)
+            np.testing.assert_array_equal(got, d_out.copy_to_host())  # v1's tokens exactly
+
+        unit_bytes = s * 4 * -(-chunk // t)
+        out.append(Case("sampling", label, run, check, bytes_moved=passes * VOCAB * 4 + unit_bytes))
+    return out
+
+
+def split_sample_workspace():
+    """One workspace for every split sample case: the runner's size for max(ROWS) rows, or more for overrides."""
+    need = [sampling._sample_sections(None, s, (sampling.argmax_partitions(s, VOCAB) if p is None else
+                                                sampling._partition(VOCAB, p))[0], t or sampling.SPLIT_THREADS)
+            for s, configs in SPLIT_SAMPLE_CASES.items() for p, t in configs]
+    return cuda.device_array(max([sampling.sample_workspace_size(max(ROWS), VOCAB)] + need), np.uint64)
+
+
 def split_workspace():
     """One workspace for every split case: the runner's size for max(ROWS) rows, or more for the overrides."""
     need = [s * (sampling.argmax_partitions(s, VOCAB) if p is None else sampling._partition(VOCAB, p))[0]
@@ -108,7 +154,7 @@ def split_workspace():
 def cases() -> list[Case]:
     rng = np.random.default_rng(0)
     out = []
-    workspace = split_workspace()
+    workspace, sample_workspace = split_workspace(), split_sample_workspace()
     for s in ROWS:
         # LM-like logits: a broad body (std 3) over the whole vocabulary
         logits = (rng.standard_normal((s, VOCAB)) * 3).astype(np.float32)
@@ -155,4 +201,5 @@ def cases() -> list[Case]:
                             f"threads={threads} ({passes / s:.1f} passes)", run_sample, check_sample,
                             bytes_moved=passes * VOCAB * 4 + chunk_bytes))
         out.extend(split_argmax_cases(s, d_logits, d_out, greedy, workspace))
+        out.extend(split_sample_cases(s, d_logits, d_params, d_out, sampled, passes, sample_workspace))
     return out
