@@ -63,9 +63,7 @@ Versions:
 2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows;
    several loads per row in flight per lane and, for few rows, K split over the warps of a block (the
    first version, GemvConfig(), issued one load per row at a time: 1.6-2.5x slower on the 1B weights of
-   fewer than 8192 rows, gemv_config's docstring). Two epilogue/prologue options for the engine's small
-   decode batches: norm (RMSNorm of x applied as it is read: every block first reduces its rows' sums of
-   squares) and accumulate (out += x @ W^T, the residual add).
+   fewer than 8192 rows, gemv_config's docstring).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
 4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
    rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
@@ -87,7 +85,6 @@ Versions:
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -97,7 +94,7 @@ from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
-from cuda_kernels.primitives import WARP, bf16_to_f32, block_sum, f32_to_bf16, round_bf16, warp_sum
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, warp_sum
 
 # Largest M that the engine's matmul sends to gemv (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or
 # more); above it gemm_tc. NOTE: measured on the H200, cold weights: at M = 8 gemv beat gemm_tc's skinny
@@ -224,17 +221,10 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 @functools.lru_cache(maxsize=None)
 def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
-                 bf16_inputs: bool, normed: bool = False, accumulate: bool = False):
+                 bf16_inputs: bool):
     """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
     64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; with
-    bf16_inputs every x is rounded to the nearest bf16 as it is read.
-
-    normed: the kernel multiplies rmsnorm(x) (gain g, epsilon eps) instead of x. Each block first computes
-    inv_rms of its m_tile rows (a strided sum of squares and a block reduction, as the rmsnorm kernel does),
-    then every x it reads becomes x * inv_rms * g[k], the rmsnorm kernel's expression, so the product sees
-    the values that kernel would have stored (up to the order of the sum of squares).
-    accumulate: out += x @ W^T instead of out = (the residual add; each output has one writer, so out may
-    be the residual stream itself)."""
+    bf16_inputs every x is rounded to the nearest bf16 as it is read."""
     MT = m_tile
     R = rows_per_warp
     U = unroll
@@ -246,14 +236,12 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
-    THREADS = WARP * warps_per_block
 
     @cuda.jit
-    def gemv_kernel(x, w64, w16, out, kv, g64, g16, eps):
+    def gemv_kernel(x, w64, w16, out, kv):
         """x (M, K) f32; w64 (N, K/4) u64 (4 bf16 per word) or any array when kv == 0; w16 (N, K) u16 bf16;
         out (M, N) f32; kv: number of uint64 words per row to read through w64 (K/4, or 0 for the
-        scalar path). Columns 4*kv..K-1 are read through w16 (the scalar tail: all of K when kv == 0).
-        normed only: the rmsnorm gain as g64 (K/4,) (same word view as w64) and g16 (K,) u16; eps f32."""
+        scalar path). Columns 4*kv..K-1 are read through w16 (the scalar tail: all of K when kv == 0)."""
         M = x.shape[0]
         K = x.shape[1]
         N = w16.shape[0]
@@ -262,16 +250,6 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
         part = warp % S
         n0 = (cuda.blockIdx.x * ROW_WARPS + warp // S) * R
         m0 = cuda.blockIdx.y * MT
-        inv = cuda.local.array(MT, float32)
-        if normed:
-            scratch = cuda.shared.array(32, float32)
-            for mm in range(MT):
-                mi = min(m0 + mm, M - 1)
-                squares = float32(0)
-                for k in range(cuda.threadIdx.x, K, THREADS):
-                    value = x[mi, k]
-                    squares += value * value
-                inv[mm] = float32(1) / math.sqrt(block_sum(squares, scratch) / float32(K) + float32(eps))
         # NOTE: warps past the last weight row (and m past the last x row) do not return early: every lane of
         # the block must reach every warp_sum (shuffles need the whole warp; the simulator's version
         # synchronises the block) and the barrier of the K-split reduction. They work on a clamped, valid
@@ -292,17 +270,12 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                     wv[u * R + r] = w64[min(n0 + r, N - 1), j0 + u * WARP]
             for u in range(U):
                 k = 4 * (j0 + u * WARP)
-                if normed:
-                    g0, g1 = _low_pair(g64[j0 + u * WARP])
-                    g2, g3 = _high_pair(g64[j0 + u * WARP])
                 for mm in range(MT):
                     mi = min(m0 + mm, M - 1)
                     x0 = x[mi, k]
                     x1 = x[mi, k + 1]
                     x2 = x[mi, k + 2]
                     x3 = x[mi, k + 3]
-                    if normed:
-                        x0, x1, x2, x3 = x0 * inv[mm] * g0, x1 * inv[mm] * g1, x2 * inv[mm] * g2, x3 * inv[mm] * g3
                     if bf16_inputs:
                         x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
                     for r in range(R):
@@ -320,14 +293,9 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
             for r in range(R):
                 wv[r] = w64[min(n0 + r, N - 1), j]
             k = 4 * j
-            if normed:
-                g0, g1 = _low_pair(g64[j])
-                g2, g3 = _high_pair(g64[j])
             for mm in range(MT):
                 mi = min(m0 + mm, M - 1)
                 x0, x1, x2, x3 = x[mi, k], x[mi, k + 1], x[mi, k + 2], x[mi, k + 3]
-                if normed:
-                    x0, x1, x2, x3 = x0 * inv[mm] * g0, x1 * inv[mm] * g1, x2 * inv[mm] * g2, x3 * inv[mm] * g3
                 if bf16_inputs:
                     x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
                 for r in range(R):
@@ -339,8 +307,6 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
         for k in range(4 * kv + part * WARP + lane, K, WARP * S):
             for mm in range(MT):
                 xv = x[min(m0 + mm, M - 1), k]
-                if normed:
-                    xv = xv * inv[mm] * bf16_to_f32(g16[k])
                 if bf16_inputs:
                     xv = round_bf16(xv)
                 for r in range(R):
@@ -351,7 +317,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                 for r in range(R):
                     total = warp_sum(acc[mm * R + r])
                     if lane == 0 and m0 + mm < M and n0 + r < N:
-                        out[m0 + mm, n0 + r] = out[m0 + mm, n0 + r] + total if accumulate else total
+                        out[m0 + mm, n0 + r] = total
         else:
             # the S warps of a row group add their warp sums in part order (deterministic) through shared memory
             red = cuda.shared.array(RED_SHAPE, float32)
@@ -369,7 +335,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                 for p in range(1, S):
                     total += red[group, i, p]
                 if m < M and n < N:
-                    out[m, n] = out[m, n] + total if accumulate else total
+                    out[m, n] = total
 
     gemv_kernel.rows_per_block = ROWS_PER_BLOCK
     return gemv_kernel
@@ -827,13 +793,8 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     return GEMV_LONG_K_M if long_k and m <= 2 else GEMV_SPLIT_M
 
 
-def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs: bool = False, *,
-         norm=None, accumulate: bool = False):
+def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs: bool = False):
     """out = x @ W^T for small M (decode), one warp per weight row (or rows_per_warp rows).
-
-    norm: None, or (g, eps) with g the (K,) uint16 bf16 gain of an RMSNorm: out = rmsnorm(x, g, eps) @ W^T,
-    the norm applied as x is read (the engine's decode step saves a kernel per norm that way).
-    accumulate: out += (...) @ W^T, in place (the residual add of the O and down projections).
 
     weight is the (N, K) uint16 array, or its uint64 view (N, K/4) (``weight.view(np.uint64)``, no copy),
     which a caller can make once to save the view's Python cost on every call. A uint16 weight is viewed as
@@ -856,18 +817,10 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
         w64, w16, kv = weight.view(np.uint64), weight, K // 4
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
-    if norm is None:
-        g64, g16, eps = w64[0], w16[0], np.float32(0)   # never read: the kernel is compiled without the norm
-    else:
-        g16, eps = norm
-        if not _is_device_array(g16) or g16.dtype != np.uint16 or tuple(g16.shape) != (K,):
-            raise ValueError(f"gemv: the norm's gain must be a ({K},) uint16 bf16 device array, got "
-                             f"{getattr(g16, 'dtype', type(g16).__name__)} {tuple(getattr(g16, 'shape', ()))}")
-        g64, eps = (g16.view(np.uint64) if kv else g16), np.float32(eps)
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
-    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), norm is not None, bool(accumulate))
+    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs))
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv, g64, g16, eps)
+    kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv)
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):

@@ -10,9 +10,7 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
    flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
    RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul] -> final residual + RMSNorm -> gather of the
-   sampled rows -> LM head on those rows only. At up to matmul.GEMV_WIDE_MAX_M tokens every matmul is a
-   gemv, and the norms and residual adds run inside them: each norm in the gemv that reads its output, each
-   residual add in the O or down gemv (into the residual stream), the final norm in the LM head's gemv;
+   sampled rows -> LM head on those rows only;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
@@ -193,25 +191,15 @@ class CUDARunner:
         gate_up, act = self.gate_up[:t], self.act[:t]
         decode = max_q_len == 1
         mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs)
-        eps = c.rms_norm_eps
-        # NOTE: at the smallest batches (every matmul a gemv) the norms and residual adds move into the
-        # matmuls: the gemv normalises x as it reads it, and the O and down gemvs add into the residual stream
-        # in place. That saves the 2 L + 1 norm kernels of the step (each a few us of launch and ramp-up in a
-        # step of about 1 ms at batch 1); the values multiplied are the rmsnorm kernel's (matmul.gemv).
-        fused = t <= matmul.GEMV_WIDE_MAX_M
-        gemv = partial(matmul.gemv, bf16_inputs=self.bf16_inputs)
         if chained:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
         for i, layer in enumerate(self.layers):
-            if fused:
-                gemv(x, layer["qkv"], qkv, stream, norm=(layer["input_norm"], eps))
+            if i == 0:
+                rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream)
             else:
-                if i == 0:
-                    rmsnorm.rmsnorm(x, layer["input_norm"], eps, h, stream)
-                else:
-                    rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], eps, h, stream)
-                mm(h, layer["qkv"], qkv, stream)
+                rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
+            mm(h, layer["qkv"], qkv, stream)
             rope.rope_kv_write(qkv, pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots, q, stream)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
@@ -219,28 +207,17 @@ class CUDARunner:
             else:
                 self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
                                        self.scale, attn, max_q_len, stream)
-            if fused:
-                gemv(attn.reshape(t, c.q_size), layer["o"], x, stream, accumulate=True)
-                gemv(x, layer["gate_up"], gate_up, stream, norm=(layer["post_norm"], eps))
-            else:
-                mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
-                rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], eps, h, stream)
-                mm(h, layer["gate_up"], gate_up, stream)
+            mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
+            rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
+            mm(h, layer["gate_up"], gate_up, stream)
             activation.silu_and_mul(gate_up, act, stream)
-            if fused:
-                gemv(act, layer["down"], x, stream, accumulate=True)
-            else:
-                mm(act, layer["down"], sub, stream)
+            mm(act, layer["down"], sub, stream)
         if n == 0:
             return
+        rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
         last, logits, tokens = self.last[:n], self.logits[:n], self.tokens[:n]
-        if fused:
-            embedding.gather_rows(x, v["logits_indices"], last, stream)
-            gemv(last, self.lm_head, logits, stream, norm=(self.final_norm, eps))
-        else:
-            rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, eps, h, stream)
-            embedding.gather_rows(h, v["logits_indices"], last, stream)
-            mm(last, self.lm_head, logits, stream)
+        embedding.gather_rows(h, v["logits_indices"], last, stream)
+        mm(last, self.lm_head, logits, stream)
         if greedy:
             sampling.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
         else:
