@@ -100,6 +100,8 @@ class CUDARunner:
         self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
         # the split argmax's per-chunk winners (sampling.argmax_workspace_size)
         self.argmax_workspace = empty(sampling.argmax_workspace_size(s, c.vocab_size), np.int32)
+        # the split sample's histograms, row state and partials (sampling.sample_workspace_size)
+        self.sample_workspace = empty(sampling.sample_workspace_size(s, c.vocab_size), np.uint64)
 
         per_block = 2 * c.num_layers * block_size * c.kv_size * 2
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
@@ -222,7 +224,7 @@ class CUDARunner:
             sampling.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
         else:
             sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
-                            stream)
+                            stream, workspace=self.sample_workspace)
 
 
 def _bucket(size: int, buckets: tuple[int, ...]) -> int:
