@@ -49,7 +49,9 @@ for each of the G query heads a d-long dot product, one exp and a d-long axpy. v
 shared-memory store and load of every K/V word and a 32-lane max per tile; the fast kernel removes both and
 reads K/V once for all G heads.
     grid  = (S, Hkv * C, P): C = ceil(G / HB) chunks of HB <= 4 query heads per KV head (register budget),
-            P partitions of the block table (P = 1: no workspace, the kernel writes out itself)
+            P partitions of the block table (P = 1: no workspace, the kernel writes out itself); NW and P
+            from shapes only (decode_warps_policy, decode_partitions: 8 warps and no split for a batch-1
+            decode graph up to 512 keys; see the NOTE at SMALL_GRID_WARPS)
     block = NW warps; lane = slot * LPK + sub: the LPK (8, or 4) lanes of a slot share one key,
             lane sub owning 64-bit words sub, sub + LPK, ... of the K and V rows (4 bf16 each), so one warp
             load instruction reads 32 / LPK whole 32-byte sectors; the 32 / LPK slots take 32 / LPK keys.
@@ -87,15 +89,21 @@ LN2 = float32(math.log(2))
 # SM; 4 needs ~20% fewer instructions per key but 204 registers, 8 warps per SM (tools/ benchmarks both).
 LANES_PER_KEY = 8
 MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel serves (registers: q and acc)
-# The fast kernel's split-K policy (from shapes only, so a captured CUDA graph stays valid): enough partitions
-# that the grid has about TARGET_BLOCKS blocks, none shorter than MIN_PARTITION_KEYS keys.
-# NOTE: measured on the H200 (Llama-3.2-1B heads, block 16): at batch 64 x 4,096 keys (512 blocks unsplit)
-# no split ran 182 us, 4 partitions 200 us, 16 partitions 251 us: the merge costs more than the extra blocks
-# gain once the grid has a few blocks per SM. At batch 1 x 8,192 keys, 32 partitions of 256 keys (256
-# blocks) were best (20.5 us; 8 partitions 26 us, 64 partitions 31 us).
+# The fast kernel's policy (from shapes only, so a captured CUDA graph stays valid). Warps: SMALL_GRID_WARPS per
+# block when the grid has no more blocks than the GPU has SMs, MAX_WARPS otherwise. Partitions: none while
+# each warp walks at most SPLIT_ROUNDS KV blocks; past that, partitions of PARTITION_ROUNDS blocks per warp,
+# as many as keep the grid at about TARGET_BLOCKS blocks.
+# NOTE: measured on the H200 (Llama-3.2-1B heads, block 16, tables 32 blocks wide as in a decode graph):
+# at batch 1 with 256 keys, one pass of 8 warps took 8.0 us and one of 4 warps 8.8, while 2 partitions
+# (the old policy, then the reduce kernel) took 12.9. With 128 keys (one or two KV blocks per warp), a pass
+# took 6.0-6.2 us. The reduce kernel and the partials cost about two rounds of a warp's walk (about 4 us),
+# so a split pays only for long contexts: at batch 1 with 2,048 keys, 8 or 16 partitions of 2 rounds took
+# 13.4-13.7 us. At batch 64 x 4,096 keys (512 blocks of 4 warps) no split ran 182 us and 4 partitions 200.
+SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
+SM_COUNT = 132                      # H200
+SPLIT_ROUNDS = 4
+PARTITION_ROUNDS = 2
 TARGET_BLOCKS = 512
-MIN_PARTITION_KEYS = 256
-
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers and kernels
@@ -297,6 +305,7 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
 @cuda.jit
 def paged_attention_reduce_kernel(partial_out, partial_max, partial_sum, context_lens, partition_size, out):
     # grid = (S, Hq), one warp: lane i reads partitions i, i + 32, ... and owns dims i, i + 32, ...
+
     seq, head = cuda.blockIdx.x, cuda.blockIdx.y
     lane = cuda.threadIdx.x
     n = (context_lens[seq] + partition_size - 1) // partition_size
@@ -594,31 +603,45 @@ def fast_warps(head_dim: int, group: int, lanes_per_key: int, most: int = MAX_WA
     return max(1, min(most, SHARED_BUDGET // per_warp))
 
 
-def _partition_bound(num_seqs, num_heads, num_kv_heads, max_blocks, block_size):
+def _grid_blocks(num_seqs, num_heads, num_kv_heads):
+    """Blocks of the fast kernel's grid per partition: (sequence, KV head, chunk of query heads)."""
     group = num_heads // num_kv_heads
-    blocks_per_seq = num_kv_heads * -(-group // heads_per_block(group))
-    longest = -(-max(int(max_blocks), 1) // max(1, -(-MIN_PARTITION_KEYS // int(block_size))))
-    wanted = -(-TARGET_BLOCKS // max(1, int(num_seqs) * blocks_per_seq))
-    return max(1, min(longest, wanted))
+    return int(num_seqs) * num_kv_heads * -(-group // heads_per_block(group))
 
 
-def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, block_size):
-    """(partitions, KV blocks per partition) of the fast kernel with a workspace, from shapes only:
-    max_blocks = block_tables.shape[1]. Enough partitions for about TARGET_BLOCKS blocks in the grid, each of
-    at least MIN_PARTITION_KEYS keys; 1 partition means no split (and no workspace use)."""
-    bound = _partition_bound(num_seqs, num_heads, num_kv_heads, max_blocks, block_size)
-    partition_blocks = -(-max(int(max_blocks), 1) // bound)
-    return -(-max(int(max_blocks), 1) // partition_blocks), partition_blocks
+def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_key=LANES_PER_KEY) -> int:
+    """Warps per block of the fast kernel by default: more for a grid that does not fill the SMs."""
+    small = _grid_blocks(num_seqs, num_heads, num_kv_heads) <= SM_COUNT
+    return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key,
+                      most=SMALL_GRID_WARPS if small else MAX_WARPS)
 
 
-def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_blocks, block_size) -> int:
+def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):
+    """(partitions, KV blocks per partition) of the fast kernel with a workspace and `warps` warps per block
+    (decode_warps_policy), from shapes only: max_blocks = block_tables.shape[1]. No split (1 partition) while
+    a warp walks at most SPLIT_ROUNDS KV blocks; else partitions of PARTITION_ROUNDS blocks per warp, at most
+    as many as give the grid about TARGET_BLOCKS blocks."""
+    width = max(int(max_blocks), 1)
+    parts = 1
+    if width > SPLIT_ROUNDS * warps:
+        longest = -(-width // (PARTITION_ROUNDS * warps))
+        wanted = -(-TARGET_BLOCKS // max(1, _grid_blocks(num_seqs, num_heads, num_kv_heads)))
+        parts = max(1, min(longest, wanted))
+    partition_blocks = -(-width // parts)
+    return -(-width // partition_blocks), partition_blocks
+
+
+def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
     """float32 elements of the fast kernel's workspace for every batch of up to max_num_seqs sequences and
-    block tables up to max_blocks wide (the runner allocates it once; `paged_attention(..., workspace=)`)."""
+    block tables up to max_blocks wide, at either lanes_per_key (the runner allocates it once;
+    `paged_attention(..., workspace=)`)."""
     most = 0
     for s in range(1, int(max_num_seqs) + 1):
-        parts = _partition_bound(s, num_heads, num_kv_heads, max_blocks, block_size)
-        if parts > 1:
-            most = max(most, s * num_heads * parts * (head_dim + 2))
+        for lanes in (4, 8):
+            warps = decode_warps_policy(s, num_heads, num_kv_heads, head_dim, lanes)
+            parts, _ = decode_partitions(s, num_heads, num_kv_heads, max_blocks, warps)
+            if parts > 1:
+                most = max(most, s * num_heads * parts * (head_dim + 2))
     return most
 
 
@@ -638,9 +661,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     lanes = LANES_PER_KEY if lanes_per_key is None else lanes_per_key
     if lanes not in (4, 8):
         raise ValueError(f"lanes_per_key must be 4 or 8, got {lanes_per_key!r}")
+    group = num_heads // num_kv_heads
+    # NOTE: the split follows the policy's warps even when `warps` overrides them, so that the workspace
+    # decode_workspace_size gives always suffices
+    policy_warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, d, lanes)
     if partition_blocks is None:
         partition_blocks = max_blocks if workspace is None else \
-            decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, block_size)[1]
+            decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, policy_warps)[1]
     if int(partition_blocks) != partition_blocks or partition_blocks < 1:
         raise ValueError(f"partition_blocks must be a positive int, got {partition_blocks!r}")
     parts = -(-max_blocks // int(partition_blocks))
@@ -648,9 +675,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
         partials = _carve(workspace, num_seqs, num_heads, parts, d)
     if num_seqs == 0:
         return
-    group = num_heads // num_kv_heads
     if warps is None:
-        warps = fast_warps(d, group, lanes)
+        warps = policy_warps
     elif not 1 <= warps <= fast_warps(d, group, lanes, most=WARP):
         raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=WARP)} for head_dim {d}, "
                          f"group {group}, {lanes} lanes per key; got {warps!r}")

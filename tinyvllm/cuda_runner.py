@@ -109,7 +109,7 @@ class CUDARunner:
         self.inputs = StepInputs(t, s, max_width)
         # split-K decode attention's partials, for every batch up to s sequences and tables up to max_width
         self.attn_workspace = empty(max(1, paged_attention.decode_workspace_size(
-            s, c.num_heads, c.num_kv_heads, c.head_dim, max_width, block_size)), f32)
+            s, c.num_heads, c.num_kv_heads, c.head_dim, max_width)), f32)
         self.stream = cuda.stream()
         self.tokens_out = [PinnedCopy(host, self.tokens, self.stream) for host in self.tokens_host]
         self.token_events = [cuda.event(), cuda.event()]

@@ -196,7 +196,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     s, hq = q.shape[:2]
     workspace, partition_blocks = None, None
     if split == "policy":
-        size = paged_attention.decode_workspace_size(s, hq, hkv, d, tables.shape[1], block_size)
+        size = paged_attention.decode_workspace_size(s, hq, hkv, d, tables.shape[1])
     elif split != "none":
         partition_blocks = split
         size = s * hq * -(-tables.shape[1] // split) * (d + 2)
@@ -210,22 +210,33 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
 
-def test_decode_partitions_depend_on_shapes_only():
-    """The split policy: a partition count from (batch, heads, table width, block size) alone."""
-    # batch 1, Llama-3.2-1B heads, 8192-token tables: partitions of MIN_PARTITION_KEYS keys
-    parts, blocks = paged_attention.decode_partitions(1, 32, 8, 512, 16)
-    assert (parts, blocks * 16) == (8192 // paged_attention.MIN_PARTITION_KEYS, paged_attention.MIN_PARTITION_KEYS)
+def test_decode_policy_depends_on_shapes_only():
+    """The warps and split policy: from (batch, heads, head_dim, table width) alone."""
+    pa = paged_attention
+    small, big = pa.SMALL_GRID_WARPS, pa.MAX_WARPS
+    # Llama-3.2-1B heads (8 blocks per sequence): more warps while the grid does not fill the SMs
+    assert pa.decode_warps_policy(1, 32, 8, 64) == small
+    assert pa.decode_warps_policy(pa.SM_COUNT // 8, 32, 8, 64) == small
+    assert pa.decode_warps_policy(pa.SM_COUNT // 8 + 1, 32, 8, 64) == big
+    # no split while a warp walks at most SPLIT_ROUNDS KV blocks
+    assert pa.decode_partitions(1, 32, 8, pa.SPLIT_ROUNDS * small, small) == (1, pa.SPLIT_ROUNDS * small)
+    # batch 1, 128-block tables: partitions of PARTITION_ROUNDS blocks per warp
+    parts, blocks = pa.decode_partitions(1, 32, 8, 128, small)
+    assert blocks == pa.PARTITION_ROUNDS * small and parts == 128 // blocks
+    # ... but no more of them than give about TARGET_BLOCKS blocks
+    assert pa.decode_partitions(1, 32, 8, 100_000, small)[0] == pa.TARGET_BLOCKS // 8
     # a big batch fills the GPU without splitting
-    assert paged_attention.decode_partitions(256, 32, 8, 64, 16) == (1, 64)
+    assert pa.decode_partitions(256, 32, 8, 64, big) == (1, 64)
     # partitions always cover the table, none is empty of blocks
-    for s, width, bs in [(3, 7, 16), (64, 256, 16), (5, 1, 32), (1, 0, 16)]:
-        parts, blocks = paged_attention.decode_partitions(s, 32, 8, width, bs)
+    for s, width, warps in [(3, 70, 2), (64, 256, 4), (5, 1, 8), (1, 0, 8), (2, 1000, 1)]:
+        parts, blocks = pa.decode_partitions(s, 32, 8, width, warps)
         assert parts * blocks >= max(width, 1) > (parts - 1) * blocks
-    # the workspace covers every batch up to its size
-    size = paged_attention.decode_workspace_size(16, 32, 8, 64, 512, 16)
+    # the workspace covers every batch up to its size, at either lanes_per_key
+    size = pa.decode_workspace_size(16, 32, 8, 64, 512)
     for s in range(1, 17):
-        parts, _ = paged_attention.decode_partitions(s, 32, 8, 512, 16)
-        assert parts == 1 or s * 32 * parts * 66 <= size
+        for lanes in (4, 8):
+            parts, _ = pa.decode_partitions(s, 32, 8, 512, pa.decode_warps_policy(s, 32, 8, 64, lanes))
+            assert parts == 1 or s * 32 * parts * 66 <= size
 
 
 # ---------------------------------------------------------------------------------------------------------

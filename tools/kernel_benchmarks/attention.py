@@ -55,7 +55,7 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
     out = cuda.device_array((batch, HQ, D), np.float32)
     workspace = cuda.device_array(
-        max(1, paged_attention.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1], block)), np.float32)
+        max(1, paged_attention.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1])), np.float32)
     kv_bytes = 2 * batch * context * HKV * D * 2
     reference = []   # computed once, by the first check that needs it
 
@@ -82,10 +82,13 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
         return check_one
 
     shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {block}"
-    parts, blocks = paged_attention.decode_partitions(batch, HQ, HKV, tables.shape[1], block)
-    split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
-    cases = [Case("attention", f"paged_attention (fast, {lanes} lanes/key, {split}) {shape}", run_fast(lanes),
-                  check(run_fast(lanes)), bytes_moved=kv_bytes) for lanes in (8, 4)]
+    def policy(lanes):
+        warps = paged_attention.decode_warps_policy(batch, HQ, HKV, D, lanes)
+        parts, blocks = paged_attention.decode_partitions(batch, HQ, HKV, tables.shape[1], warps)
+        return f"{warps} warps, " + (f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split")
+
+    cases = [Case("attention", f"paged_attention (fast, {lanes} lanes/key, {policy(lanes)}) {shape}",
+                  run_fast(lanes), check(run_fast(lanes)), bytes_moved=kv_bytes) for lanes in (8, 4)]
     if fast_only:
         return cases
     work = [cuda.device_array(shape, np.float32)
