@@ -14,6 +14,8 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
+from cuda_kernels import pdl
+
 THREADS = 256
 MAX_BLOCKS = 1024
 
@@ -25,6 +27,8 @@ MAX_BLOCKS = 1024
 def _silu_and_mul_kernel():
     @cuda.jit
     def silu_and_mul_kernel(gate_up, out):
+        pdl.launch_dependents()
+        pdl.grid_wait()
         f = out.shape[1]
         for k in range(cuda.grid(1), out.shape[0] * f, cuda.gridsize(1)):
             t, j = k // f, k % f
@@ -49,4 +53,4 @@ def silu_and_mul(gate_up, out, stream=0):
     n = expected[0] * expected[1]
     if n:
         blocks = min(MAX_BLOCKS, -(-n // THREADS))
-        _silu_and_mul_kernel()[blocks, THREADS, stream](gate_up, out)
+        pdl.launch(_silu_and_mul_kernel()[blocks, THREADS, stream], gate_up, out)

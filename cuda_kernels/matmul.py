@@ -29,6 +29,8 @@ Thread mappings:
   multiplied by all m_tile activation rows. A warp_sum per (row, m) gives a part's dot; with k_split > 1
   the parts meet in shared memory and are added in part order. When K % 4 != 0 (no uint64 view) the
   bf16 at k = i, i + 32, ... are read one at a time instead. gemv_config(M, N, K) picks the configuration.
+  The first pass's weight loads are issued before pdl.grid_wait (weights are never written), so under
+  programmatic dependent launch they are in flight while the kernel that produces x finishes.
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
@@ -90,6 +92,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from cuda_kernels import pdl
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
@@ -237,6 +240,13 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
 
+    @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
+    def load_words(w64, wv, n0, N, j0):
+        """Issue the U * R weight loads of one pass (words j0 + 32 u of rows n0 .. n0 + R - 1) into wv."""
+        for u in range(U):
+            for r in range(R):
+                wv[u * R + r] = w64[min(n0 + r, N - 1), j0 + u * WARP]
+
     @cuda.jit
     def gemv_kernel(x, w64, w16, out, kv):
         """x (M, K) f32; w64 (N, K/4) u64 (4 bf16 per word) or any array when kv == 0; w16 (N, K) u16 bf16;
@@ -263,11 +273,15 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
         # of 32 words at c*STEP + (part*U + u)*32, lane i taking word i of each run (a warp load reads 256
         # contiguous bytes). All U*R loads are issued before the first is used: that many 8-byte loads in
         # flight per lane is what keeps enough bytes in flight per SM to approach the DRAM bandwidth.
+        # NOTE: the first pass's weight loads go out before grid_wait (cuda_kernels/pdl.py): weights are
+        # never written, so under PDL they are in flight while the kernel producing x finishes.
+        pdl.launch_dependents()
         full = (kv // STEP) * STEP
-        for j0 in range(part * U * WARP + lane, full, STEP):
-            for u in range(U):
-                for r in range(R):
-                    wv[u * R + r] = w64[min(n0 + r, N - 1), j0 + u * WARP]
+        j0 = part * U * WARP + lane
+        if j0 < full:
+            load_words(w64, wv, n0, N, j0)
+        pdl.grid_wait()
+        while j0 < full:
             for u in range(U):
                 k = 4 * (j0 + u * WARP)
                 for mm in range(MT):
@@ -287,6 +301,9 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                         a += x2 * w2
                         a += x3 * w3
                         acc[mm * R + r] = a
+            j0 += STEP
+            if j0 < full:
+                load_words(w64, wv, n0, N, j0)
 
         # The words past the last whole pass, one per lane at a time, spread over the S warps the same way.
         for j in range(full + part * WARP + lane, kv, WARP * S):
@@ -820,7 +837,7 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
     kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs))
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    kernel[grid, WARP * config.warps_per_block, stream](x, w64, w16, out, kv)
+    pdl.launch(kernel[grid, WARP * config.warps_per_block, stream], x, w64, w16, out, kv)
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):
@@ -906,6 +923,11 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
     kernel[grid, kernel.threads, stream](x, w, out)
 
 
+def uses_gemv(m: int, n: int) -> bool:
+    """Whether matmul sends x (m, K) @ W (n, K)^T to gemv (decode sizes) rather than a tiled kernel."""
+    return m <= (GEMV_WIDE_MAX_M if n >= GEMV_WIDE_N else GEMV_MAX_M)
+
+
 def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
     of GEMV_WIDE_N rows or more), gemm_tc above.
@@ -914,8 +936,8 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
     multiplied, by whichever kernel runs.
     NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
     barriers over Python threads (gemm_tc's own tests still run there)."""
-    if len(getattr(x, "shape", ())) == 2 and len(getattr(weight, "shape", ())) == 2 and x.shape[0] <= (
-            GEMV_WIDE_MAX_M if weight.shape[0] >= GEMV_WIDE_N else GEMV_MAX_M):
+    if len(getattr(x, "shape", ())) == 2 and len(getattr(weight, "shape", ())) == 2 and uses_gemv(
+            x.shape[0], weight.shape[0]):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
     elif SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)

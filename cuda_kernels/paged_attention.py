@@ -77,6 +77,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
+from cuda_kernels import pdl
 from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, cache_words,
                                     check_cache_args, store_words, unpack_bf16x4, warp_barrier)
 from cuda_kernels.compat import SIMULATOR
@@ -305,7 +306,8 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
 @cuda.jit
 def paged_attention_reduce_kernel(partial_out, partial_max, partial_sum, context_lens, partition_size, out):
     # grid = (S, Hq), one warp: lane i reads partitions i, i + 32, ... and owns dims i, i + 32, ...
-
+    pdl.launch_dependents()
+    pdl.grid_wait()
     seq, head = cuda.blockIdx.x, cuda.blockIdx.y
     lane = cuda.threadIdx.x
     n = (context_lens[seq] + partition_size - 1) // partition_size
@@ -518,6 +520,8 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
     def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, out):
         # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/4) u64, row (block * BS + offset) * HKV
         # + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * C)
+        pdl.launch_dependents()
+        pdl.grid_wait()   # q and the new token's K/V come from the kernel before
         seq, kvh, h0, nh = seq_and_heads()
         sm = cuda.shared.array(ML_SIZE, float32)
         sl = cuda.shared.array(ML_SIZE, float32)
@@ -537,6 +541,8 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
                      partial_max, partial_sum):
         # partial_out (S, Hq, P, D) f32; partial_max, partial_sum (S, Hq, P) f32; grid (S, HKV * C, P),
         # partition p = KV blocks p * partition_blocks .. (p + 1) * partition_blocks - 1
+        pdl.launch_dependents()
+        pdl.grid_wait()   # before the early return below too (cuda_kernels/pdl.py, rule 1)
         seq, kvh, h0, nh = seq_and_heads()
         part = cuda.blockIdx.z
         ctx = context_lens[seq]
@@ -684,10 +690,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if parts == 1:
-        direct[grid, warps * WARP, stream](q, k_rows, v_rows, block_tables, context_lens, np.float32(scale), out)
+        pdl.launch(direct[grid, warps * WARP, stream], q, k_rows, v_rows, block_tables, context_lens,
+                   np.float32(scale), out)
         return
-    split[grid + (parts,), warps * WARP, stream](q, k_rows, v_rows, block_tables, context_lens,
-                                                 np.float32(scale), int(partition_blocks), *partials)
+    pdl.launch(split[grid + (parts,), warps * WARP, stream], q, k_rows, v_rows, block_tables, context_lens,
+               np.float32(scale), int(partition_blocks), *partials)
     paged_attention_reduce(*partials, context_lens, int(partition_blocks) * block_size, out, stream)
 
 
@@ -740,8 +747,8 @@ def paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, 
     _expect("out", out, (s, hq, d), np.float32)
     if s == 0:
         return
-    paged_attention_reduce_kernel[(s, hq), WARP, stream](partial_out, partial_max, partial_sum, context_lens,
-                                                         int(partition_size), out)
+    pdl.launch(paged_attention_reduce_kernel[(s, hq), WARP, stream], partial_out, partial_max, partial_sum,
+               context_lens, int(partition_size), out)
 
 
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):

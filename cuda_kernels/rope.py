@@ -23,6 +23,7 @@ from functools import lru_cache
 
 from numba import cuda
 
+from cuda_kernels import pdl
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import f32_to_bf16
 
@@ -41,6 +42,8 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
 
     @cuda.jit
     def rope_kv_write_kernel(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
+        pdl.launch_dependents()
+        pdl.grid_wait()
         t = cuda.blockIdx.x
         pos = positions[t]
         slot = slot_mapping[t]
@@ -95,5 +98,5 @@ def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_ou
         if a.shape != (t,) or a.dtype.kind != "i":
             raise ValueError(f"{name}: expected ({t},) integer, got {tuple(a.shape)} {a.dtype}")
     if t:
-        _rope_kv_write_kernel(hq, hkv, d)[t, THREADS, stream](qkv, positions, cos, sin, k_cache, v_cache,
-                                                               slot_mapping, q_out)
+        pdl.launch(_rope_kv_write_kernel(hq, hkv, d)[t, THREADS, stream], qkv, positions, cos, sin, k_cache,
+                   v_cache, slot_mapping, q_out)

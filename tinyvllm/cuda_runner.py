@@ -10,7 +10,8 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
    flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
    RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul] -> final residual + RMSNorm -> gather of the
-   sampled rows -> LM head on those rows only;
+   sampled rows -> LM head on those rows only; most of these kernels are launched with programmatic
+   dependent launch (cuda_kernels/pdl.py), so each starts while the one before it finishes;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
