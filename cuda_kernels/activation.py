@@ -6,7 +6,8 @@ out (T, F) float32.
 Thread mapping: a 1-D grid-stride loop over the T * F outputs; thread k computes element (k // F, k % F),
 so a warp reads 32 consecutive gate values and 32 consecutive up values (coalesced).
 
-Versions: v1 only (issue 5 fuses it into the gate/up matmul's epilogue).
+Versions: v1 only. At decode sizes the engine runs the same expression in the gate/up gemv's epilogue
+(matmul.gated_matmul) instead of this kernel.
 """
 
 import math
@@ -18,6 +19,21 @@ from cuda_kernels import pdl
 
 THREADS = 256
 MAX_BLOCKS = 1024
+
+# largest t with exp(t) finite in fp32 (ln of the fp32 maximum is 88.7228...)
+EXP_MAX_ARG = float32(88.72)
+
+# ---------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@cuda.jit(device=True)
+def silu(g):
+    """g / (1 + exp(-g)) in fp32. NOTE: for g < -88.72 exp(-g) is inf in fp32 and g / inf = -0, the correct
+    limit; it is written out because the simulator's Python exp raises OverflowError instead of giving inf."""
+    e = math.exp(-g) if -g <= EXP_MAX_ARG else float32(math.inf)
+    return g / (float32(1) + e)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # kernels
@@ -32,9 +48,7 @@ def _silu_and_mul_kernel():
         f = out.shape[1]
         for k in range(cuda.grid(1), out.shape[0] * f, cuda.gridsize(1)):
             t, j = k // f, k % f
-            g = gate_up[t, j]
-            # NOTE: for g < -88, exp(-g) is inf in fp32 and g / inf = -0: the correct limit of silu.
-            out[t, j] = g / (float32(1) + math.exp(-g)) * gate_up[t, f + j]
+            out[t, j] = silu(gate_up[t, j]) * gate_up[t, f + j]
 
     return silu_and_mul_kernel
 

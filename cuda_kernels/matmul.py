@@ -31,6 +31,9 @@ Thread mappings:
   bf16 at k = i, i + 32, ... are read one at a time instead. gemv_config(M, N, K) picks the configuration.
   The first pass's weight loads are issued before pdl.grid_wait (weights are never written), so under
   programmatic dependent launch they are in flight while the kernel that produces x finishes.
+  Gated (``gemv(..., gated=True)``, the engine's gate/up at decode): W = [gate; up] (2F, K) and a warp's R
+  rows are R/2 gate rows j.. and the R/2 up rows F + j.. of the same features, so the epilogue writes
+  silu(gate) * up for features j.. directly (out (M, F)): no (M, 2F) intermediate, no SiLU kernel.
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
@@ -65,7 +68,8 @@ Versions:
 2. gemv: a warp per weight row (or a few), 64-bit weight loads, each weight read once for up to 8 x rows;
    several loads per row in flight per lane and, for few rows, K split over the warps of a block (the
    first version, GemvConfig(), issued one load per row at a time: 1.6-2.5x slower on the 1B weights of
-   fewer than 8192 rows, gemv_config's docstring).
+   fewer than 8192 rows, gemv_config's docstring). With the gated epilogue, gate/up and SiLU*mul are one
+   kernel (`gated_matmul`, which falls back to matmul + activation.silu_and_mul above decode sizes).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
 4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
    rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
@@ -92,7 +96,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import pdl
+from cuda_kernels import activation, pdl
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
@@ -224,12 +228,15 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 @functools.lru_cache(maxsize=None)
 def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
-                 bf16_inputs: bool):
+                 bf16_inputs: bool, gated: bool = False):
     """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
     64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; with
-    bf16_inputs every x is rounded to the nearest bf16 as it is read."""
+    bf16_inputs every x is rounded to the nearest bf16 as it is read. gated: W is [gate; up] (2F rows) and
+    the kernel writes silu(gate) * up (F columns); a warp's first R/2 rows are gate rows j.. and its last R/2
+    the up rows F + j.. of the same features (R even)."""
     MT = m_tile
     R = rows_per_warp
+    RH = R // 2                             # gated: features per warp
     U = unroll
     S = k_split
     ROW_WARPS = warps_per_block // S        # warps with distinct rows; S warps share each row group
@@ -240,12 +247,21 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
 
+    @cuda.jit(device=True, inline=True)
+    def weight_row(n0, r, N):
+        """The weight row of the warp's row r (clamped to a valid one; the store is skipped for it): n0 + r,
+        or gated, gate row n0 / 2 + r for r < R/2 and up row F + n0 / 2 + r - R/2 (N = 2F)."""
+        if gated:
+            return min(n0 // 2 + r % RH, N // 2 - 1) + (r // RH) * (N // 2)
+        return min(n0 + r, N - 1)
+
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
     def load_words(w64, wv, n0, N, j0):
-        """Issue the U * R weight loads of one pass (words j0 + 32 u of rows n0 .. n0 + R - 1) into wv."""
+        """Issue the U * R weight loads of one pass (words j0 + 32 u of the warp's R rows) into wv."""
         for u in range(U):
             for r in range(R):
-                wv[u * R + r] = w64[min(n0 + r, N - 1), j0 + u * WARP]
+                wv[u * R + r] = w64[weight_row(n0, r, N), j0 + u * WARP]
+
 
     @cuda.jit
     def gemv_kernel(x, w64, w16, out, kv):
@@ -308,7 +324,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
         # The words past the last whole pass, one per lane at a time, spread over the S warps the same way.
         for j in range(full + part * WARP + lane, kv, WARP * S):
             for r in range(R):
-                wv[r] = w64[min(n0 + r, N - 1), j]
+                wv[r] = w64[weight_row(n0, r, N), j]
             k = 4 * j
             for mm in range(MT):
                 mi = min(m0 + mm, M - 1)
@@ -327,9 +343,16 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                 if bf16_inputs:
                     xv = round_bf16(xv)
                 for r in range(R):
-                    acc[mm * R + r] += xv * bf16_to_f32(w16[min(n0 + r, N - 1), k])
+                    acc[mm * R + r] += xv * bf16_to_f32(w16[weight_row(n0, r, N), k])
 
-        if S == 1:
+        if S == 1 and gated:
+            for mm in range(MT):
+                for r in range(RH):
+                    g = warp_sum(acc[mm * R + r])
+                    u = warp_sum(acc[mm * R + RH + r])
+                    if lane == 0 and m0 + mm < M and n0 // 2 + r < N // 2:
+                        out[m0 + mm, n0 // 2 + r] = activation.silu(g) * u
+        elif S == 1:
             for mm in range(MT):
                 for r in range(R):
                     total = warp_sum(acc[mm * R + r])
@@ -344,7 +367,19 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                     red[warp // S, i, part] = total
             cuda.syncthreads()
             t = cuda.threadIdx.x
-            if t < ROW_WARPS * NACC:
+            if gated and t < ROW_WARPS * MT * RH:
+                # thread t: feature r of activation row mm of row group `group`; its gate and up totals
+                group, i = t // (MT * RH), t % (MT * RH)
+                mm, r = i // RH, i % RH
+                m, j = m0 + mm, (cuda.blockIdx.x * ROW_WARPS + group) * RH + r
+                g = red[group, mm * R + r, 0]
+                u = red[group, mm * R + RH + r, 0]
+                for p in range(1, S):
+                    g += red[group, mm * R + r, p]
+                    u += red[group, mm * R + RH + r, p]
+                if m < M and j < N // 2:
+                    out[m, j] = activation.silu(g) * u
+            elif not gated and t < ROW_WARPS * NACC:
                 group, i = t // NACC, t % NACC
                 mm, r = i // R, i % R
                 m, n = m0 + mm, (cuda.blockIdx.x * ROW_WARPS + group) * R + r
@@ -750,8 +785,9 @@ def _is_device_array(a) -> bool:
     return hasattr(a, "copy_to_host") and hasattr(a, "dtype") and hasattr(a, "shape")
 
 
-def _check_args(x, weight, out, allow_u64_weight=False):
-    """Validate x (M, K) f32, weight (N, K) u16 [or (N, K/4) u64 view], out (M, N) f32; return (M, N, K)."""
+def _check_args(x, weight, out, allow_u64_weight=False, gated=False):
+    """Validate x (M, K) f32, weight (N, K) u16 [or (N, K/4) u64 view], out (M, N) f32 (gated: N even and out
+    (M, N/2)); return (M, N, K)."""
     for name, a in (("x", x), ("weight", weight), ("out", out)):
         if not _is_device_array(a):
             raise TypeError(f"matmul: {name} must be a numba device array (cuda.to_device / device_array), "
@@ -773,7 +809,11 @@ def _check_args(x, weight, out, allow_u64_weight=False):
     if wk != K:
         raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          f"({weight.dtype}) disagree on K ({K} vs {wk})")
-    if tuple(out.shape) != (M, N):
+    if gated and (N % 2 or tuple(out.shape) != (M, N // 2)):
+        raise ValueError(f"gated matmul: weight must be [gate; up] with an even row count and out (M, N/2) = "
+                         f"({M}, {N // 2}) for x {tuple(x.shape)} and weight {tuple(weight.shape)}, "
+                         f"got out {tuple(out.shape)}")
+    if not gated and tuple(out.shape) != (M, N):
         raise ValueError(f"matmul: out must have shape (M, N) = ({M}, {N}) for x {tuple(x.shape)} and "
                          f"weight {tuple(weight.shape)}, got {tuple(out.shape)}")
     return M, N, K
@@ -810,7 +850,8 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     return GEMV_LONG_K_M if long_k and m <= 2 else GEMV_SPLIT_M
 
 
-def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs: bool = False):
+def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs: bool = False,
+         gated: bool = False):
     """out = x @ W^T for small M (decode), one warp per weight row (or rows_per_warp rows).
 
     weight is the (N, K) uint16 array, or its uint64 view (N, K/4) (``weight.view(np.uint64)``, no copy),
@@ -819,14 +860,18 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     path (16-bit loads), which is correct for any K but slower. Any M works: x is walked in chunks of up to
     8 rows and the weight is read once per chunk. config: warps per block, weight rows per warp, loads in
     flight per row and K split (tuning); by default gemv_config(M, N, K).
+    gated: W is the fused [gate; up] (2F, K) and out (M, F) <- silu(x @ gate^T) * (x @ up^T), the SiLU*mul
+    in the epilogue (config.rows_per_warp must be even: a warp pairs its gate and up rows).
     """
-    M, N, K = _check_args(x, weight, out, allow_u64_weight=True)
+    M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
     if M == 0 or N == 0:
         return
     config = GemvConfig(*config) if config else gemv_config(M, N, K)
     if config.warps_per_block % config.k_split or not 1 <= config.warps_per_block <= 32 or config.unroll < 1:
         raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32, a multiple of k_split, "
                          f"and unroll >= 1")
+    if gated and config.rows_per_warp % 2:
+        raise ValueError(f"gemv config {config}: a gated gemv needs an even rows_per_warp")
     if weight.dtype == np.uint64:
         w64 = w16 = weight  # NOTE: w16 is only read by the scalar tail, which is empty when K % 4 == 0
         kv = K // 4
@@ -835,7 +880,7 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
-    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs))
+    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), bool(gated))
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
     pdl.launch(kernel[grid, WARP * config.warps_per_block, stream], x, w64, w16, out, kv)
 
@@ -926,6 +971,18 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
 def uses_gemv(m: int, n: int) -> bool:
     """Whether matmul sends x (m, K) @ W (n, K)^T to gemv (decode sizes) rather than a tiled kernel."""
     return m <= (GEMV_WIDE_MAX_M if n >= GEMV_WIDE_N else GEMV_MAX_M)
+
+
+def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False):
+    """out (M, F) <- silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K): at decode sizes
+    one gemv with the SiLU*mul in its epilogue, else matmul into scratch (at least (M, 2F) float32) and
+    activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
+    if uses_gemv(x.shape[0], weight.shape[0]):
+        gemv(x, weight, out, stream, bf16_inputs=bf16_inputs, gated=True)
+    else:
+        gate_up = scratch[:x.shape[0]]
+        matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs)
+        activation.silu_and_mul(gate_up, out, stream)
 
 
 def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):

@@ -11,6 +11,7 @@ the kernels differ from this only in the order of the fp32 sums.
 
 import numpy as np
 
+from reference.activation import silu_and_mul
 from reference.bf16 import bf16_to_f32, round_to_bf16
 
 
@@ -18,3 +19,8 @@ def matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.n
     """x (M, K) float32 @ bf16 weight (N, K) transposed -> (M, N) float32; x rounded to bf16 first if asked."""
     x = np.asarray(x, dtype=np.float32)
     return (round_to_bf16(x) if bf16_inputs else x) @ bf16_to_f32(weight).T
+
+
+def gated_matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:
+    """silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K) -> (M, F) float32."""
+    return silu_and_mul(matmul(x, weight, bf16_inputs))

@@ -9,9 +9,9 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
    -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
    flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
-   RMSNorm -> gate/up matmul -> SiLU*mul -> down matmul] -> final residual + RMSNorm -> gather of the
-   sampled rows -> LM head on those rows only; most of these kernels are launched with programmatic
-   dependent launch (cuda_kernels/pdl.py), so each starts while the one before it finishes;
+   RMSNorm -> gate/up matmul + SiLU*mul (one gemv at decode sizes) -> down matmul] -> final residual +
+   RMSNorm -> gather of the sampled rows -> LM head on those rows only; most of these kernels are launched
+   with programmatic dependent launch (cuda_kernels/pdl.py), so each starts while the one before it finishes;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
@@ -34,7 +34,7 @@ from functools import partial
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import activation, attention, embedding, matmul, paged_attention, rmsnorm, rope, sampling
+from cuda_kernels import attention, embedding, matmul, paged_attention, rmsnorm, rope, sampling
 from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
@@ -191,7 +191,7 @@ class CUDARunner:
         ids, pos, slots, tables, ctx = (v[k] for k in ("token_ids", "positions", "slot_mapping", "block_tables",
                                                         "context_lens"))
         x, h, sub, qkv, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.qkv, self.q, self.attn))
-        gate_up, act = self.gate_up[:t], self.act[:t]
+        act = self.act[:t]
         decode = max_q_len == 1
         mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs)
         if chained:
@@ -212,8 +212,7 @@ class CUDARunner:
                                        self.scale, attn, max_q_len, stream)
             mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
-            mm(h, layer["gate_up"], gate_up, stream)
-            activation.silu_and_mul(gate_up, act, stream)
+            matmul.gated_matmul(h, layer["gate_up"], act, self.gate_up, stream, bf16_inputs=self.bf16_inputs)
             mm(act, layer["down"], sub, stream)
         if n == 0:
             return

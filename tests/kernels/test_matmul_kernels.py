@@ -19,6 +19,7 @@ from numba import cuda
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
+from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
 
 # Llama-3.2-1B weights as (N, K): QKV fused, O, gate/up fused, down, LM head.
@@ -151,6 +152,71 @@ def test_gemv_passes(seed, config, passes, words, tail, m, n, bf16_inputs):
     out = stale_out(m, n)
     mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs)
     check(out, x, w, bf16_inputs)
+
+
+def check_gated(out, x, w, bf16_inputs=False):
+    """out == silu(x @ gate^T) * (x @ up^T), W = [gate; up]: the dot products' summation error carried through
+    silu(g) * u (|silu'(g)| <= 1.1), plus a few ulps for exp, the division and the products."""
+    if bf16_inputs:
+        x = round_to_bf16(x)
+    f = w.shape[0] // 2
+    dots = reference_matmul(x, w).astype(np.float64)
+    magnitude = np.abs(x) @ np.abs(bf16_to_f32(w)).T
+    tol = dot_tolerance(x.shape[1], np.where(np.isfinite(magnitude), magnitude, 0)).astype(np.float64)
+    g, u, tol_g, tol_u = dots[:, :f], dots[:, f:], tol[:, :f], tol[:, f:]
+    with np.errstate(over="ignore", invalid="ignore"):
+        silu = g / (1 + np.exp(-g))
+        want = reference_gated_matmul(x, w)
+        bound = 1.1 * tol_g * (np.abs(u) + tol_u) + (np.abs(silu) + 1.1 * tol_g) * tol_u + 8 * F32_EPS * np.abs(want)
+    got = out.copy_to_host()
+    assert got.shape == want.shape
+    err = np.abs(got.astype(np.float64) - want)
+    bad = ~((err <= bound) | (np.isnan(got) & np.isnan(want)))
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)), got.shape)
+        raise AssertionError(f"{bad.sum()} of {bad.size} outputs off; worst at {i}: got {got[i]!r}, want "
+                             f"{want[i]!r}, |err| {err[i]:.3g} > bound {bound[i]:.3g}")
+
+
+# gated gemv configurations: the policy's (for the weight's 2F rows) and hand-picked ones, K split or not
+GATED_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1)]
+if not SIM:
+    GATED_CONFIGS += [mm.GEMV_WIDE, mm.GEMV_WIDE_M, mm.GEMV_SPLIT, mm.GEMV_SPLIT_M]
+# (F, K): the gate/up of the 1B model (F = 8192) on the GPU, or odd sizes; tiny ones in the simulator
+gated_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 300)) if SIM else
+                st.one_of(st.just((8192, 2048)), st.tuples(st.integers(1, 3000), st.integers(1, 3000))))
+
+
+@settings(max_examples=pick(8, 15))
+@given(seeds, st.sampled_from([1, 2, 3, 5, 8]), gated_shapes, x_scales, st.sampled_from(GATED_CONFIGS),
+       st.booleans())
+def test_gemv_gated(seed, m, fk, x_scale, config, bf16_inputs):
+    """The SiLU*mul epilogue: F not a multiple of a block's features, K with and without a uint64 view and a
+    scalar tail, M over several chunks of 8 rows; |x| up to 3e15, where silu saturates (g) or flushes (-0)."""
+    f, k = fk
+    x, w = make_inputs(seed, m, 2 * f, k, x_scale)
+    out = stale_out(m, f)
+    mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
+    check_gated(out, x, w, bf16_inputs)
+
+
+@settings(max_examples=pick(4, 8))
+@given(seeds, st.sampled_from(pick([1, 3, 20], [1, 4, 5, 64])), st.booleans())
+def test_gated_matmul_dispatch(seed, m, bf16_inputs):
+    """The engine's entry point: the gated gemv at decode sizes, matmul + silu_and_mul above."""
+    f, k = pick((6, 40), (8192, 2048))
+    x, w = make_inputs(seed, m, 2 * f, k)
+    out, scratch = stale_out(m, f), device_empty((64, 2 * f), np.float32)
+    mm.gated_matmul(to_device(x), to_device(w), out, scratch, bf16_inputs=bf16_inputs)
+    check_gated(out, x, w, bf16_inputs)
+
+
+def test_gemv_gated_checks():
+    x, w = device_empty((1, 8), np.float32), device_empty((6, 8), np.uint16)
+    with pytest.raises(ValueError, match=r"out \(M, N/2\) = \(1, 3\)"):
+        mm.gemv(x, w, device_empty((1, 6), np.float32), gated=True)
+    with pytest.raises(ValueError, match="even rows_per_warp"):
+        mm.gemv(x, w, device_empty((1, 3), np.float32), config=mm.GemvConfig(2, 1, 1, 1), gated=True)
 
 
 def test_gemv_config_checks():
