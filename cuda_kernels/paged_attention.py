@@ -101,6 +101,12 @@ MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel s
 # so a split pays only for long contexts: at batch 1 with 2,048 keys, 8 or 16 partitions of 2 rounds took
 # 13.4-13.7 us. At batch 64 x 4,096 keys (512 blocks of 4 warps) no split ran 182 us and 4 partitions 200.
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
+# The most warps a caller may ask for. NOTE: the register file bounds a block too (65,536 registers per SM).
+# ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-232 registers per thread, the most where the shared
+# memory allows the fewest warps. At 32 warps a one-head block (72 x 1,024) would not launch, and at 16 one
+# configuration fails (head_dim 40, group 4, 8 lanes: 134 x 512). 12 leaves a margin for other compilers:
+# tools/offline_compile.py --attention-warps checks every configuration offline.
+MAX_FAST_WARPS = 12
 SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
@@ -683,8 +689,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
         return
     if warps is None:
         warps = policy_warps
-    elif not 1 <= warps <= fast_warps(d, group, lanes, most=WARP):
-        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=WARP)} for head_dim {d}, "
+    elif not 1 <= warps <= fast_warps(d, group, lanes, most=MAX_FAST_WARPS):
+        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=MAX_FAST_WARPS)} for head_dim {d}, "
                          f"group {group}, {lanes} lanes per key; got {warps!r}")
     direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps)
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))

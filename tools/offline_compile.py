@@ -1,6 +1,7 @@
 """Compile every kernel the CUDA runner launches for an H200 (sm_90) and assemble it with ptxas, without a GPU.
 
     python3 tools/offline_compile.py [--cuda-home /usr/local/cuda] [--block-size 16]
+    python3 tools/offline_compile.py --attention-warps   # the fast decode attention's warp bound
 
 GPU time is scarce and CI has no GPU, while the simulator never compiles a kernel: a kernel that types in
 the simulator can still fail to compile for the device (a libdevice function that does not exist, an
@@ -11,6 +12,10 @@ steps at batch 1 and 8 with every launch intercepted. Each kernel is compiled by
 capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
 registers, spills and shared memory per kernel is printed. Nothing executes, so nothing is checked for
 correctness: that is what the GPU test profile is for.
+
+--attention-warps compiles the fast decode attention (paged_attention's direct and split kernels) at the
+most warps its launcher accepts, for head sizes 8-128, GQA groups 1-8 and both lanes-per-key settings, and
+checks that registers x threads fit the SM's 65,536 registers (else the launch fails on the GPU).
 
 NOTE: this reaches into numba-cuda internals (tested with 0.30.4): the device query, the list of supported
 compute capabilities, the libdevice location, the launch path and stream conversion are replaced.
@@ -135,6 +140,9 @@ def install(cuda_home: Path, report: list) -> None:
         report.append((kernel.py_func.__name__, tuple(config.griddim), tuple(config.blockdim), done))
 
     dispatcher._LaunchConfiguration.__call__ = launch
+    from cuda_kernels import pdl
+
+    pdl._device_supports = lambda: True  # the griddepcontrol instructions exist on sm_90
     cuda.to_device = lambda array, *a, **k: FakeDeviceArray(np.asarray(array))
     cuda.device_array = lambda shape, dtype=np.float64, *a, **k: FakeDeviceArray(np.zeros(shape, dtype))
     cuda.pinned_array = lambda shape, dtype=np.float64, *a, **k: np.zeros(shape, dtype)
@@ -176,13 +184,55 @@ def run_steps(block_size: int) -> None:
         runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
 
 
+def ptxas_registers(ptxas: Path, ptx: str) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True, check=True)
+    return int(re.search(r"Used (\d+) registers", done.stderr)[1])
+
+
+def attention_warps(ptxas: Path, block_size: int) -> int:
+    """The fast decode attention at paged_attention's largest accepted warp count: does the block fit the
+    register file? Returns the number of configurations that do not."""
+    from numba import types
+
+    from cuda_kernels import paged_attention as pa
+
+    registers_per_sm = 65536
+    print("| head_dim | group | lanes/key | warps | kernel | registers | registers x threads |")
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    bad = 0
+    f32_3d, u64_2d, i32_2d = types.float32[:, :, ::1], types.uint64[:, ::1], types.int32[:, ::1]
+    direct_sig = (f32_3d, u64_2d, u64_2d, i32_2d, types.int32[::1], types.float32, f32_3d)
+    split_sig = direct_sig[:6] + (types.int64, types.float32[:, :, :, ::1], types.float32[:, :, ::1],
+                                  types.float32[:, :, ::1])
+    for d in (8, 40, 64, 128):
+        for group in (1, 2, 3, 4, 5, 7, 8):
+            for lanes in (4, 8):
+                warps = pa.fast_warps(d, group, lanes, most=pa.MAX_FAST_WARPS)
+                kernels = pa._gqa_kernels(d, block_size, 8, group, lanes, warps)
+                for name, kernel, sig in zip(("direct", "split"), kernels, (direct_sig, split_sig)):
+                    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
+                    regs = ptxas_registers(ptxas, ptx)
+                    used = regs * warps * 32
+                    bad += used > registers_per_sm
+                    flag = "" if used <= registers_per_sm else " **too many**"
+                    print(f"| {d} | {group} | {lanes} | {warps} | {name} | {regs} | {used:,}{flag} |", flush=True)
+    return bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cuda-home", type=Path, default=Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")))
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-warps", action="store_true",
+                        help="check the fast decode attention's largest warp count against the register file")
     args = parser.parse_args()
     report: list = []
     install(args.cuda_home, report)
+    if args.attention_warps:
+        return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size) else 0
     run_steps(args.block_size)
     print(f"| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")

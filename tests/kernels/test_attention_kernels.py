@@ -174,8 +174,8 @@ def decode_reference(q, k_cache, v_cache, tables, lens, scale):
     return want
 
 
-# warps per block: the policy's, one, or more than the policy gives ("most": what the shared memory holds;
-# in the simulator at most 4, every thread being a Python thread)
+# warps per block: the policy's, one, or more than the policy gives ("most": what the shared memory holds, at
+# most MAX_FAST_WARPS; in the simulator at most 4, every thread being a Python thread)
 fast_warp_counts = st.sampled_from(pick([None, 1, 3], [None, 8, "most"]))
 
 
@@ -190,7 +190,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
     hkv, group = hg
     if warps is not None:
-        most = paged_attention.fast_warps(d, group, lanes, most=pick(4, 32))
+        most = paged_attention.fast_warps(d, group, lanes, most=pick(4, paged_attention.MAX_FAST_WARPS))
         warps = most if warps == "most" else min(warps, most)
     scale = 1 / np.sqrt(d)
     s, hq = q.shape[:2]

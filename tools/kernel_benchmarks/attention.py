@@ -155,3 +155,69 @@ def cases() -> list[Case]:
             + _decode_cases(rng, 256, 1024, 512) + _decode_cases(rng, 64, 4096, block=32, fast_only=True)
             + _prefill_cases(rng, [(1024, 0)], naive=True) + _prefill_cases(rng, [(256, 0)] * 4)
             + _prefill_cases(rng, [(512, 512)]))
+
+
+# (batch, context, table width in blocks): decode-graph shapes (the runner pads tables to a width bucket)
+SWEEP_SHAPES = [(1, 128, 32), (1, 256, 32), (1, 384, 32), (4, 256, 32), (16, 256, 32), (1, 2048, 128),
+                (64, 512, 64)]
+SWEEP_WARPS = (2, 4, 8, 11)
+SWEEP_PARTITION_BLOCKS = (1, 2, 4, 8, 16, 32)
+
+
+def policy_sweep(shapes=SWEEP_SHAPES):
+    """Cases of the fast kernel at every (warps, KV blocks per partition) of the sweep on each shape, tables
+    as wide as a decode graph's bucket (the split policy sees the width, not the context), 8 lanes per key.
+    A partition as wide as the table is the one-pass kernel; narrower ones add the reduce kernel."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for batch, context, width in shapes:
+        k_cache, v_cache, tables = _paged_cache(rng, [context] * batch)
+        tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])))   # block 0: valid, never read
+        q = rng.standard_normal((batch, HQ, D), dtype=np.float32)
+        lens = np.full(batch, context, np.int32)
+        dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
+        out = cuda.device_array((batch, HQ, D), np.float32)
+        workspace = cuda.device_array(batch * HQ * width * (D + 2), np.float32)   # room for any split
+        want = ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE)
+        atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, [context] * batch)
+        for warps in SWEEP_WARPS:
+            for blocks in (b for b in SWEEP_PARTITION_BLOCKS if b <= width):
+                def run(stream, warps=warps, blocks=blocks, dq=dq, dk=dk, dv=dv, dt=dt, dl=dl, out=out,
+                        workspace=workspace):
+                    paged_attention.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, workspace=workspace,
+                                                    partition_blocks=blocks, lanes_per_key=8, warps=warps)
+
+                def check(run=run, out=out, want=want, atol=atol):
+                    run(0)
+                    np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+
+                parts = -(-width // blocks)
+                cases.append(Case("attention", f"batch {batch} x context {context}, table {width} blocks: "
+                                  f"{warps} warps, {parts} partitions of {blocks} blocks", run, check,
+                                  bytes_moved=2 * batch * context * HKV * D * 2))
+    return cases
+
+
+def main() -> None:
+    """--policy-sweep: time the fast decode kernel over warps and partitions (for paged_attention's policy)."""
+    import argparse
+
+    from tools.kernel_benchmarks.common import time_launch
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--policy-sweep", action="store_true", required=True)
+    parser.parse_args()
+    print("| case | time (us) |")
+    print("| --- | ---: |")
+    for case in policy_sweep():
+        try:
+            case.check()
+            seconds = time_launch(case.launch)
+        except Exception as exc:
+            print(f"| {case.name} | FAILED: {type(exc).__name__}: {str(exc)[:120]} |", flush=True)
+            continue
+        print(f"| {case.name} | {seconds * 1e6:,.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
