@@ -202,7 +202,7 @@ def main() -> None:
     """--policy-sweep: time the fast decode kernel over warps and partitions (for paged_attention's policy)."""
     import argparse
 
-    from tools.kernel_benchmarks.common import time_launch
+    from tools.kernel_benchmarks.common import checked_time
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--policy-sweep", action="store_true", required=True)
@@ -210,13 +210,8 @@ def main() -> None:
     print("| case | time (us) |")
     print("| --- | ---: |")
     for case in policy_sweep():
-        try:
-            case.check()
-            seconds = time_launch(case.launch)
-        except Exception as exc:
-            print(f"| {case.name} | FAILED: {type(exc).__name__}: {str(exc)[:120]} |", flush=True)
-            continue
-        print(f"| {case.name} | {seconds * 1e6:,.1f} |", flush=True)
+        seconds = checked_time(case)
+        print(f"| {case.name} | {seconds if isinstance(seconds, str) else f'{seconds * 1e6:,.1f}'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,13 @@ def time_launch(launch: Callable[[object], None], repeats: int = 50) -> float:
     stop.record(stream)
     stop.synchronize()
     return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
+
+
+def checked_time(case: Case) -> float | str:
+    """Mean seconds per launch of `case` once its check has passed, or the failure as a line of text (a
+    sweep reports it and goes on: one bad case must not cost the rest of a GPU run)."""
+    try:
+        case.check()
+        return time_launch(case.launch)
+    except Exception as exc:
+        return f"FAILED: {type(exc).__name__}: {str(exc)[:120]}"

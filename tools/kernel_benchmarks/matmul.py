@@ -29,7 +29,7 @@ from cuda_kernels import matmul as mm
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.matmul import matmul as reference_matmul
-from tools.kernel_benchmarks.common import Case, time_launch
+from tools.kernel_benchmarks.common import Case, checked_time
 
 # (name, N, K) of the Llama-3.2-1B projections
 WEIGHTS = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
@@ -231,22 +231,18 @@ def main() -> None:
         print("| case | time (us) | GB/s (W + x + out) |")
         print("| --- | ---: | ---: |")
         for case in cold_cases(ms=[m for m in args.m if m <= 8] or (1,), weights=args.weights):
-            try:
-                case.check()
-                seconds = time_launch(case.launch)
-            except Exception as exc:
-                print(f"| {case.name} | FAILED: {type(exc).__name__}: {str(exc)[:120]} | |", flush=True)
+            seconds = checked_time(case)
+            if isinstance(seconds, str):
+                print(f"| {case.name} | {seconds} | |", flush=True)
                 continue
             print(f"| {case.name} | {seconds * 1e6:,.1f} | {case.bytes_moved / seconds / 1e9:,.0f} |", flush=True)
         return
     print("| case | time (us) | TFLOP/s (2MNK/t) | GB/s (W + x + out) | % of mma peak (359), mma work |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for case in cases(tensor_core_only=True, sweep=args.sweep, ms=args.m, weights=args.weights):
-        try:
-            case.check()
-            seconds = time_launch(case.launch)
-        except Exception as exc:  # report and go on: one bad tile must not cost the rest of the GPU run
-            print(f"| {case.name} | FAILED: {type(exc).__name__}: {str(exc)[:120]} | | | |", flush=True)
+        seconds = checked_time(case)
+        if isinstance(seconds, str):
+            print(f"| {case.name} | {seconds} | | | |", flush=True)
             continue
         tflops = case.flops / seconds / 1e12
         work = 1 if " bf16 " in case.name else 3   # mma issued per useful product
