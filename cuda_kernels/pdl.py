@@ -59,6 +59,7 @@ if SIMULATOR:
         return False
 
 else:
+    import threading
     from functools import lru_cache
 
     from llvmlite import ir
@@ -102,11 +103,12 @@ else:
         _trigger_asm()
 
     _CoreLaunchConfig = _dispatcher.LaunchConfig
-    _programmatic = False   # True only inside launch(): read by the factory numba's launch calls
+    # .programmatic is True only inside launch() on this thread: read by the factory numba's launch calls
+    _state = threading.local()
 
     def _launch_config(*args, **kwargs):
         config = _CoreLaunchConfig(*args, **kwargs)
-        if _programmatic:
+        if getattr(_state, "programmatic", False):
             config.programmatic_stream_serialization = True
         return config
 
@@ -123,12 +125,11 @@ else:
     def launch(configured, *args):
         """configured(*args), i.e. kernel[grid, block, stream](*args), launched with the programmatic
         stream serialization attribute (see the module docstring for what the kernel must do)."""
-        global _programmatic
-        _programmatic = enabled()
+        _state.programmatic = enabled()
         try:
             configured(*args)
         finally:
-            _programmatic = False
+            _state.programmatic = False
 
 
 # ---------------------------------------------------------------------------------------------------------
