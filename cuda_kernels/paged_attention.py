@@ -100,6 +100,8 @@ MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel s
 # took 6.0-6.2 us. The reduce kernel and the partials cost about two rounds of a warp's walk (about 4 us),
 # so a split pays only for long contexts: at batch 1 with 2,048 keys, 8 or 16 partitions of 2 rounds took
 # 13.4-13.7 us. At batch 64 x 4,096 keys (512 blocks of 4 warps) no split ran 182 us and 4 partitions 200.
+# At batch 1 x 8,192 keys (4 warps, an earlier sweep) 32 partitions of 256 keys were best: 20.5 us against 26
+# for 8 and 31 for 64. The policy gives 32 partitions of 256 keys there too (8 warps, 2 rounds).
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
 # The most warps a caller may ask for. NOTE: the register file bounds a block too (65,536 registers per SM).
 # ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-232 registers per thread, the most where the shared
