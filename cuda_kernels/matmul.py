@@ -262,7 +262,6 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
             for r in range(R):
                 wv[u * R + r] = w64[weight_row(n0, r, N), j0 + u * WARP]
 
-
     @cuda.jit
     def gemv_kernel(x, w64, w16, out, kv):
         """x (M, K) f32; w64 (N, K/4) u64 (4 bf16 per word) or any array when kv == 0; w16 (N, K) u16 bf16;
