@@ -1,6 +1,7 @@
 """Where the GPU time of one decode step goes, kernel by kernel, on the CUDA engine (needs a GPU).
 
     python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision fp32] [--json out.json]
+                                  [--ablate] [--gemv N,K=WARPS,ROWS,UNROLL,SPLIT ...]
 
 For each batch size: a Llama-3.2-1B-shaped random model (or --model) serves `batch` requests with a
 `context`-token prompt until they decode; then the decode step the engine replays is captured again with a
@@ -9,6 +10,15 @@ The time between consecutive events is one kernel's GPU time inside the real ste
 place in the stream, weights not left in L2 by a repeat of the same launch). The table sums the kernels by
 name and launch shape over the layers, and compares the sum with the plain graph's time: the difference is
 what the events themselves and the gaps between kernels cost.
+
+The events break programmatic dependent launch (cuda_kernels/pdl.py): a kernel cannot overlap one that an
+event sits behind. --ablate measures the other way: for each kernel function, the plain graph is captured
+again with every launch of that function left out, and the time it saves is that function's marginal cost in
+the real, overlapped step (the skipped kernels' outputs are stale, so only the timing means anything).
+--gemv captures the plain graph again with gemv's configuration for an (N, K) weight overridden, and times
+it against the default choice: the way to tune gemv_config under PDL, where a kernel's prologue overlaps its
+producer. One --gemv option is one variant and may name several shapes
+(`--gemv 3072,2048=8,4,4,4 2048,2048=8,4,4,4`); repeat the option for more variants.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from numba.cuda import dispatcher  # noqa: E402
 
 from tinyvllm.cuda_driver import driver, ok, stream_handle  # noqa: E402
 
-REPLAYS = 20
+REPLAYS = 50
 
 
 def record_external(event, stream) -> None:
@@ -66,6 +76,37 @@ def timed_launches(record, stream, events):
     return marks
 
 
+def skipped_launches(record, names):
+    """Run record() with every launch of a kernel function named in `names` left out."""
+    launch = dispatcher._LaunchConfiguration.__call__
+
+    def launch_unless_named(config, *args):
+        if config.dispatcher.py_func.__name__ not in names:
+            launch(config, *args)
+
+    dispatcher._LaunchConfiguration.__call__ = launch_unless_named
+    try:
+        record()
+    finally:
+        dispatcher._LaunchConfiguration.__call__ = launch
+
+
+def with_gemv_configs(record, overrides: dict):
+    """Run record() with matmul.gemv_config returning overrides[(n, k)] for those weight shapes."""
+    from cuda_kernels import matmul
+
+    default = matmul.gemv_config
+
+    def config(m, n, k):
+        return overrides.get((n, k)) or default(m, n, k)
+
+    matmul.gemv_config = config
+    try:
+        record()
+    finally:
+        matmul.gemv_config = default
+
+
 def graph_time(graph, stream) -> float:
     """Mean GPU seconds of one replay."""
     start, stop = cuda.event(), cuda.event()
@@ -78,7 +119,8 @@ def graph_time(graph, stream) -> float:
     return cuda.event_elapsed_time(start, stop) / 1e3 / REPLAYS
 
 
-def profile(model_dir: Path, batch: int, context: int, precision: str) -> dict:
+def profile(model_dir: Path, batch: int, context: int, precision: str, ablate: bool = False,
+            gemv_variants: tuple = ()) -> dict:
     from tinyvllm.cuda_graph import CUDAGraph
     from tinyvllm.engine import LLMEngine
     from tinyvllm.sampling_params import SamplingParams
@@ -119,10 +161,31 @@ def profile(model_dir: Path, batch: int, context: int, precision: str) -> dict:
         entry[1] += 1
         previous = event
     total = sum(t for t, _ in times.values())
+    plain_s = graph_time(plain, stream)
     result = {"batch": batch, "graph_batch": b, "context": context, "matmul_precision": precision,
-              "graph_s": graph_time(plain, stream), "marked_graph_s": total,
+              "graph_s": plain_s, "marked_graph_s": total,
               "kernels": [{"kernel": k, "launches": n, "seconds": t} for k, (t, n) in
                           sorted(times.items(), key=lambda item: -item[1][0])]}
+
+    def variant_time(wrap) -> float:
+        wrap(partial(forward, stream, chained=True))  # compiles what the capture needs (capture cannot load modules)
+        stream.synchronize()
+        graph = CUDAGraph(lambda s: wrap(partial(forward, s, chained=True)), stream)
+        return graph_time(graph, stream)
+
+    if ablate:
+        names = sorted({label.split(" grid ")[0] for label, _ in marks})
+        result["ablation"] = [{"kernel": name, "launches": sum(label.startswith(name + " ") for label, _ in marks),
+                               "saved_s": plain_s - variant_time(partial(skipped_launches, names={name}))}
+                              for name in names]
+        result["ablation"].sort(key=lambda row: -row["saved_s"])
+    if gemv_variants:
+        result["gemv_variants"] = []
+        for overrides in gemv_variants:
+            # the default's time again next to each variant: replays drift by a few tenths of a percent
+            base, varied = graph_time(plain, stream), variant_time(partial(with_gemv_configs, overrides=overrides))
+            result["gemv_variants"].append({"configs": {f"{n},{k}": list(c) for (n, k), c in overrides.items()},
+                                            "default_s": base, "variant_s": varied})
     return result
 
 
@@ -134,7 +197,26 @@ def table(result: dict) -> str:
     for k in result["kernels"]:
         lines.append(f"| {k['kernel']} | {k['launches']} | {k['seconds'] * 1e6:,.1f} | "
                      f"{k['seconds'] / result['marked_graph_s']:.0%} |")
+    if "ablation" in result:
+        lines += ["", "| kernel left out | launches | us the step saves | per launch |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {r['kernel']} | {r['launches']} | {r['saved_s'] * 1e6:,.1f} | "
+                  f"{r['saved_s'] * 1e6 / max(1, r['launches']):.2f} |" for r in result["ablation"]]
+    if "gemv_variants" in result:
+        lines += ["", "| gemv configs (N,K: warps, rows, unroll, split) | default us | variant us | ratio |",
+                  "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {'; '.join(f'{s}: {tuple(c)}' for s, c in v['configs'].items())} | "
+                  f"{v['default_s'] * 1e6:,.1f} | {v['variant_s'] * 1e6:,.1f} | "
+                  f"{v['variant_s'] / v['default_s']:.3f} |" for v in result["gemv_variants"]]
     return "\n".join(lines)
+
+
+def gemv_override(text: str) -> tuple:
+    """'N,K=W,R,U,S' -> ((N, K), GemvConfig(W, R, U, S))."""
+    from cuda_kernels.matmul import GemvConfig
+
+    shape, config = text.split("=")
+    n, k = (int(v) for v in shape.split(","))
+    return (n, k), GemvConfig(*(int(v) for v in config.split(",")))
 
 
 def main() -> int:
@@ -144,7 +226,11 @@ def main() -> int:
     p.add_argument("--context", type=int, default=256, help="prompt tokens of every request (default 256)")
     p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--json", type=Path)
+    p.add_argument("--ablate", action="store_true", help="time the step without each kernel function in turn")
+    p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S",
+                   help="one variant of gemv configurations per option (repeatable)")
     args = p.parse_args()
+    variants = tuple(dict(v) for v in args.gemv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -153,7 +239,7 @@ def main() -> int:
             model = make_random_model(Path(tmp) / "m", "llama-3.2-1b", seed=0)
         results = []
         for batch in args.batch:
-            results.append(profile(model, batch, args.context, args.matmul_precision))
+            results.append(profile(model, batch, args.context, args.matmul_precision, args.ablate, variants))
             print(table(results[-1]) + "\n", flush=True)
             gc.collect()  # the engine's device memory goes back before the next one is made
             cuda.current_context().deallocations.clear()
