@@ -34,6 +34,10 @@ Thread mappings:
   Gated (``gemv(..., gated=True)``, the engine's gate/up at decode): W = [gate; up] (2F, K) and a warp's R
   rows are R/2 gate rows j.. and the R/2 up rows F + j.. of the same features, so the epilogue writes
   silu(gate) * up for features j.. directly (out (M, F)): no (M, 2F) intermediate, no SiLU kernel.
+  RoPE (``gemv_rope``, the engine's QKV projection at decode): the same pairing on the fused QKV weight, a
+  warp's R/2 pairs being rows i and i + d/2 of a head, so the epilogue rotates each pair and writes what
+  rope.rope_kv_write would (rotated q; the rotated K and the V into the cache slots): no qkv intermediate,
+  no RoPE kernel.
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
@@ -70,6 +74,8 @@ Versions:
    first version, GemvConfig(), issued one load per row at a time: 1.6-2.5x slower on the 1B weights of
    fewer than 8192 rows, gemv_config's docstring). With the gated epilogue, gate/up and SiLU*mul are one
    kernel (`gated_matmul`, which falls back to matmul + activation.silu_and_mul above decode sizes).
+   With the RoPE epilogue the QKV projection, RoPE and the KV-cache write are one kernel
+   (`matmul_rope_kv_write`, which falls back to matmul + rope.rope_kv_write above decode sizes).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
 4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
    rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
@@ -96,7 +102,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, pdl
+from cuda_kernels import activation, pdl, rope
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
@@ -145,7 +151,7 @@ class GemmTcTile(NamedTuple):
 
 
 # gemv_config's choices (measured; see its docstring; GemvConfig() is the first version's one-load loop)
-GEMV_WIDE, GEMV_LONG_K, GEMV_SPLIT = GemvConfig(4, 4, 2, 2), GemvConfig(8, 2, 4, 4), GemvConfig(8, 4, 2, 4)
+GEMV_WIDE, GEMV_SPLIT = GemvConfig(4, 4, 4, 2), GemvConfig(8, 2, 4, 4)
 GEMV_WIDE_M, GEMV_LONG_K_M, GEMV_SPLIT_M = GemvConfig(4, 2, 4, 1), GemvConfig(8, 2, 2, 4), GemvConfig(4, 2, 4, 2)
 GEMV_WIDE_N = 8192
 # The simulator runs one Python thread per CUDA thread: fewer, busier threads keep engine tests affordable
@@ -228,17 +234,26 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 @functools.lru_cache(maxsize=None)
 def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
-                 bf16_inputs: bool, gated: bool = False):
+                 bf16_inputs: bool, pairing: str = "", head_dim: int = 0):
     """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
     64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; with
-    bf16_inputs every x is rounded to the nearest bf16 as it is read. gated: W is [gate; up] (2F rows) and
-    the kernel writes silu(gate) * up (F columns); a warp's first R/2 rows are gate rows j.. and its last R/2
-    the up rows F + j.. of the same features (R even)."""
+    bf16_inputs every x is rounded to the nearest bf16 as it is read.
+
+    pairing: "" (plain rows n0.., out (M, N)), or an epilogue on pairs of rows, a warp's first R/2 rows
+    pairing with its last R/2 (R even). "gated": W is [gate; up] (2F rows); the pair of feature j is gate
+    row j and up row F + j, and the kernel writes silu(gate) * up (out (M, F)). "rope": W is the fused QKV
+    weight, heads of head_dim rows; the pair of (head, i) is rows i and i + head_dim/2 of the head, the two
+    halves RoPE rotates together, and the kernel (gemv_rope_kernel) writes what rope.rope_kv_write would
+    from the product: rotated q, and the rotated K and the V of each token into its cache slot."""
     MT = m_tile
     R = rows_per_warp
-    RH = R // 2                             # gated: features per warp
+    RH = R // 2                             # paired: pairs per warp
     U = unroll
     S = k_split
+    GATED, ROPE = pairing == "gated", pairing == "rope"
+    PAIRED = GATED or ROPE
+    HALF = head_dim // 2
+    OUTS = RH if PAIRED else R              # outputs (pairs or rows) per warp and activation row
     ROW_WARPS = warps_per_block // S        # warps with distinct rows; S warps share each row group
     ROWS_PER_BLOCK = ROW_WARPS * R
     NACC = MT * R
@@ -250,10 +265,14 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     @cuda.jit(device=True, inline=True)
     def weight_row(n0, r, N):
         """The weight row of the warp's row r (clamped to a valid one; the store is skipped for it): n0 + r,
-        or gated, gate row n0 / 2 + r for r < R/2 and up row F + n0 / 2 + r - R/2 (N = 2F)."""
-        if gated:
-            return min(n0 // 2 + r % RH, N // 2 - 1) + (r // RH) * (N // 2)
-        return min(n0 + r, N - 1)
+        or paired, row r % (R/2) of pair n0 / 2 + r % (R/2) (its first row for r < R/2, else its second):
+        gated, gate row p or up row F + p (N = 2F); rope, row i or i + d/2 of head h for pair p = h d/2 + i."""
+        if not PAIRED:
+            return min(n0 + r, N - 1)
+        pair = min(n0 // 2 + r % RH, N // 2 - 1)
+        if GATED:
+            return pair + (r // RH) * (N // 2)
+        return (pair // HALF) * (2 * HALF) + pair % HALF + (r // RH) * HALF
 
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
     def load_words(w64, wv, n0, N, j0):
@@ -262,14 +281,52 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
             for r in range(R):
                 wv[u * R + r] = w64[weight_row(n0, r, N), j0 + u * WARP]
 
-    @cuda.jit
-    def gemv_kernel(x, w64, w16, out, kv):
+    # store(dst, m, j, a, b): write output j of activation row m from its row total a (paired: the totals a
+    # and b of pair j); dst holds the arrays written. One function per epilogue, picked here.
+    @cuda.jit(device=True, inline=True)
+    def store_row(dst, m, j, a, b):
+        dst[0][m, j] = a
+
+    @cuda.jit(device=True, inline=True)
+    def store_gated(dst, m, j, a, b):
+        dst[0][m, j] = activation.silu(a) * b
+
+    @cuda.jit(device=True, inline=True)
+    def store_rope(dst, m, j, a, b):
+        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping = dst
+        head, i = j // HALF, j % HALF
+        num_heads, num_kv_heads = q_out.shape[1], k_cache.shape[2]
+        if head < num_heads + num_kv_heads:
+            # rope_kv_write's rotation, the same expressions
+            pos = positions[m]
+            c = cos[pos, i]
+            s = sin[pos, i]
+            a, b = a * c - b * s, b * c + a * s
+        if head < num_heads:
+            q_out[m, head, i] = a
+            q_out[m, head, i + HALF] = b
+        elif slot_mapping[m] >= 0:
+            slot = slot_mapping[m]
+            block, offset = slot // k_cache.shape[1], slot % k_cache.shape[1]
+            if head < num_heads + num_kv_heads:
+                k_cache[block, offset, head - num_heads, i] = f32_to_bf16(a)
+                k_cache[block, offset, head - num_heads, i + HALF] = f32_to_bf16(b)
+            else:
+                v_cache[block, offset, head - num_heads - num_kv_heads, i] = f32_to_bf16(a)
+                v_cache[block, offset, head - num_heads - num_kv_heads, i + HALF] = f32_to_bf16(b)
+
+    store = store_rope if ROPE else store_gated if GATED else store_row
+
+    @cuda.jit(device=True, inline=True)
+    def gemv_body(x, w64, w16, kv, dst):
         """x (M, K) f32; w64 (N, K/4) u64 (4 bf16 per word) or any array when kv == 0; w16 (N, K) u16 bf16;
-        out (M, N) f32; kv: number of uint64 words per row to read through w64 (K/4, or 0 for the
-        scalar path). Columns 4*kv..K-1 are read through w16 (the scalar tail: all of K when kv == 0)."""
+        kv: number of uint64 words per row to read through w64 (K/4, or 0 for the scalar path). Columns
+        4*kv..K-1 are read through w16 (the scalar tail: all of K when kv == 0). dst: the arrays `store`
+        writes."""
         M = x.shape[0]
         K = x.shape[1]
         N = w16.shape[0]
+        NCOLS = N // 2 if PAIRED else N
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         part = warp % S
@@ -344,19 +401,15 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                 for r in range(R):
                     acc[mm * R + r] += xv * bf16_to_f32(w16[weight_row(n0, r, N), k])
 
-        if S == 1 and gated:
+        # Epilogue: output o of the warp is row o (plain) or pair o, whose second total is row o + R/2.
+        if S == 1:
             for mm in range(MT):
-                for r in range(RH):
-                    g = warp_sum(acc[mm * R + r])
-                    u = warp_sum(acc[mm * R + RH + r])
-                    if lane == 0 and m0 + mm < M and n0 // 2 + r < N // 2:
-                        out[m0 + mm, n0 // 2 + r] = activation.silu(g) * u
-        elif S == 1:
-            for mm in range(MT):
-                for r in range(R):
-                    total = warp_sum(acc[mm * R + r])
-                    if lane == 0 and m0 + mm < M and n0 + r < N:
-                        out[m0 + mm, n0 + r] = total
+                for o in range(OUTS):
+                    a = warp_sum(acc[mm * R + o])
+                    b = warp_sum(acc[mm * R + RH + o]) if PAIRED else a
+                    j = (n0 // 2 if PAIRED else n0) + o
+                    if lane == 0 and m0 + mm < M and j < NCOLS:
+                        store(dst, m0 + mm, j, a, b)
         else:
             # the S warps of a row group add their warp sums in part order (deterministic) through shared memory
             red = cuda.shared.array(RED_SHAPE, float32)
@@ -366,30 +419,34 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                     red[warp // S, i, part] = total
             cuda.syncthreads()
             t = cuda.threadIdx.x
-            if gated and t < ROW_WARPS * MT * RH:
-                # thread t: feature r of activation row mm of row group `group`; its gate and up totals
-                group, i = t // (MT * RH), t % (MT * RH)
-                mm, r = i // RH, i % RH
-                m, j = m0 + mm, (cuda.blockIdx.x * ROW_WARPS + group) * RH + r
-                g = red[group, mm * R + r, 0]
-                u = red[group, mm * R + RH + r, 0]
+            if t < ROW_WARPS * MT * OUTS:
+                # thread t: output o of activation row mm of row group `group`
+                group, i = t // (MT * OUTS), t % (MT * OUTS)
+                mm, o = i // OUTS, i % OUTS
+                a = red[group, mm * R + o, 0]
+                b = red[group, mm * R + RH + o, 0] if PAIRED else a
                 for p in range(1, S):
-                    g += red[group, mm * R + r, p]
-                    u += red[group, mm * R + RH + r, p]
-                if m < M and j < N // 2:
-                    out[m, j] = activation.silu(g) * u
-            elif not gated and t < ROW_WARPS * NACC:
-                group, i = t // NACC, t % NACC
-                mm, r = i // R, i % R
-                m, n = m0 + mm, (cuda.blockIdx.x * ROW_WARPS + group) * R + r
-                total = red[group, i, 0]
-                for p in range(1, S):
-                    total += red[group, i, p]
-                if m < M and n < N:
-                    out[m, n] = total
+                    a += red[group, mm * R + o, p]
+                    if PAIRED:
+                        b += red[group, mm * R + RH + o, p]
+                j = (cuda.blockIdx.x * ROW_WARPS + group) * (RH if PAIRED else R) + o
+                if m0 + mm < M and j < NCOLS:
+                    store(dst, m0 + mm, j, a, b)
 
-    gemv_kernel.rows_per_block = ROWS_PER_BLOCK
-    return gemv_kernel
+    @cuda.jit
+    def gemv_kernel(x, w64, w16, out, kv):
+        # out (M, N) f32, or gated (M, N/2)
+        gemv_body(x, w64, w16, kv, (out,))
+
+    @cuda.jit
+    def gemv_rope_kernel(x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping):
+        # q_out (M, Hq, d) f32; positions, slot_mapping (M,) int; cos, sin (max_positions, d/2) f32;
+        # k_cache, v_cache (blocks, block_size, Hkv, d) u16 bf16 (rope.py's arguments)
+        gemv_body(x, w64, w16, kv, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
+
+    kernel = gemv_rope_kernel if ROPE else gemv_kernel
+    kernel.rows_per_block = ROWS_PER_BLOCK
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -786,8 +843,10 @@ def _is_device_array(a) -> bool:
 
 def _check_args(x, weight, out, allow_u64_weight=False, gated=False):
     """Validate x (M, K) f32, weight (N, K) u16 [or (N, K/4) u64 view], out (M, N) f32 (gated: N even and out
-    (M, N/2)); return (M, N, K)."""
+    (M, N/2); None: not checked, the caller checks its outputs); return (M, N, K)."""
     for name, a in (("x", x), ("weight", weight), ("out", out)):
+        if a is None:
+            continue
         if not _is_device_array(a):
             raise TypeError(f"matmul: {name} must be a numba device array (cuda.to_device / device_array), "
                             f"got {type(a).__name__}")
@@ -795,7 +854,7 @@ def _check_args(x, weight, out, allow_u64_weight=False, gated=False):
             raise ValueError(f"matmul: {name} must be 2-D, got shape {tuple(a.shape)}")
     if x.dtype != np.float32:
         raise ValueError(f"matmul: x must be float32, got {x.dtype} (shape {tuple(x.shape)})")
-    if out.dtype != np.float32:
+    if out is not None and out.dtype != np.float32:
         raise ValueError(f"matmul: out must be float32, got {out.dtype} (shape {tuple(out.shape)})")
     M, K = x.shape
     N, wk = weight.shape
@@ -808,6 +867,8 @@ def _check_args(x, weight, out, allow_u64_weight=False, gated=False):
     if wk != K:
         raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
                          f"({weight.dtype}) disagree on K ({K} vs {wk})")
+    if out is None:
+        return M, N, K
     if gated and (N % 2 or tuple(out.shape) != (M, N // 2)):
         raise ValueError(f"gated matmul: weight must be [gate; up] with an even row count and out (M, N/2) = "
                          f"({M}, {N // 2}) for x {tuple(x.shape)} and weight {tuple(weight.shape)}, "
@@ -832,18 +893,26 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
 
     A decode GEMV is a race to keep enough weight bytes in flight: each lane issues rows_per_warp * unroll
     8-byte loads before using the first. With many rows (n >= GEMV_WIDE_N) the grid alone fills the SMs;
-    with few, each row's K is split over the warps of a block as well, by 4 for a long K (k >= 4096). Above
-    m = 1 each weight word also meets m rows of x, so fewer loads are kept in flight per lane.
+    with few, each row's K is split over 4 warps of a block as well. Above m = 1 each weight word also meets
+    m rows of x, so fewer loads are kept in flight per lane, and K is split by 4 only for a long K (k >= 4096,
+    m <= 2).
     NOTE: measured on the H200 with weights cold in L2 (tools/kernel_benchmarks/matmul.py --gemv;
     BENCHMARKS.md); each pick was the fastest (or within 0.2 us of it) of up to 14 configurations. At m = 1:
     QKV (3072 x 2048) 5.9 us against 10.0 for the first version's (4, 2, 1, 1); O (2048 x 2048) 5.1
     against 10.1; gate/up (16384 x 2048) 19.2 against 23.6; down (2048 x 8192) 11.8 against 31.5; LM head
     (128256 x 2048) 123 against 133. At m = 2..8 the (4, 2, 4, 2) split won on most shapes (down at m = 2:
     13.8 us with (8, 2, 2, 4), 18.0 with it), the unsplit (4, 2, 4, 1) on the wide ones.
+    NOTE: under programmatic dependent launch a gemv's first pass of weight loads overlaps the kernel before
+    it, so the m = 1 picks were measured again inside the batch-1 decode graph (tools/profile_step.py
+    --gemv, the whole step's time, each variant against the old picks in the same run): twice the loads per
+    pass on the wide weights, (4, 4, 4, 2) instead of (4, 4, 2, 2), took the step from 1,065.7 to 1,042.5
+    us (on gate/up; on the LM head alone 1,063.0 to 1,060.6), and (8, 2, 4, 4) on QKV and O, half the rows
+    per warp and twice the loads per pass of (8, 4, 2, 4), from 1,063.3 to 1,055.9 (down already had that
+    configuration). Three further variants on down and two on QKV / O were within 0.1% or slower.
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:
-        return GEMV_WIDE if wide else GEMV_LONG_K if long_k else GEMV_SPLIT
+        return GEMV_WIDE if wide else GEMV_SPLIT
     if wide:
         return GEMV_WIDE_M
     return GEMV_LONG_K_M if long_k and m <= 2 else GEMV_SPLIT_M
@@ -863,14 +932,42 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     in the epilogue (config.rows_per_warp must be even: a warp pairs its gate and up rows).
     """
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
+    setup = _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, "gated" if gated else "")
+    if setup:
+        configured, w64, w16, kv = setup
+        pdl.launch(configured, x, w64, w16, out, kv)
+
+
+def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0,
+              config: GemvConfig | None = None, bf16_inputs: bool = False):
+    """The QKV projection with rope.rope_kv_write as its epilogue, for small M (decode): of qkv = x @ W^T
+    (W the fused QKV weight, (Hq + 2 Hkv) d rows) only the results are written: q_out (M, Hq, d) the rotated
+    queries, and each token's rotated K and its V into the caches at slot_mapping[m] (-1: not written).
+    positions, cos, sin, k_cache, v_cache, slot_mapping as rope.rope_kv_write takes them; weight and config
+    as gemv (config.rows_per_warp must be even: a warp pairs rows i and i + d/2 of a head)."""
+    M, N, K = _check_args(x, weight, None, allow_u64_weight=True)
+    t, hq, hkv, d = rope.check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out)
+    if (M, N) != (t, (hq + 2 * hkv) * d):
+        raise ValueError(f"gemv_rope: x {tuple(x.shape)} and weight {tuple(weight.shape)} give a ({M}, {N}) "
+                         f"product; q_out and the caches need ({t}, {(hq + 2 * hkv) * d}) for Hq={hq}, "
+                         f"Hkv={hkv}, d={d}")
+    setup = _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, "rope", d)
+    if setup:
+        configured, w64, w16, kv = setup
+        pdl.launch(configured, x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, pairing, head_dim=0):
+    """(the gemv kernel configured with its grid, block and stream, w64, w16, kv) for x (M, K) @ weight^T,
+    or None when there is nothing to compute; checks config."""
     if M == 0 or N == 0:
-        return
+        return None
     config = GemvConfig(*config) if config else gemv_config(M, N, K)
     if config.warps_per_block % config.k_split or not 1 <= config.warps_per_block <= 32 or config.unroll < 1:
         raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32, a multiple of k_split, "
                          f"and unroll >= 1")
-    if gated and config.rows_per_warp % 2:
-        raise ValueError(f"gemv config {config}: a gated gemv needs an even rows_per_warp")
+    if pairing and config.rows_per_warp % 2:
+        raise ValueError(f"gemv config {config}: a {pairing} gemv needs an even rows_per_warp (a warp pairs rows)")
     if weight.dtype == np.uint64:
         w64 = w16 = weight  # NOTE: w16 is only read by the scalar tail, which is empty when K % 4 == 0
         kv = K // 4
@@ -879,9 +976,9 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
-    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), bool(gated))
+    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim)
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    pdl.launch(kernel[grid, WARP * config.warps_per_block, stream], x, w64, w16, out, kv)
+    return kernel[grid, WARP * config.warps_per_block, stream], w64, w16, kv
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):
@@ -982,6 +1079,21 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False):
         gate_up = scratch[:x.shape[0]]
         matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs)
         activation.silu_and_mul(gate_up, out, stream)
+
+
+def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,
+                         bf16_inputs: bool = False):
+    """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T):
+    at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
+    memory, no RoPE kernel), else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
+    Twin: reference.matmul.matmul_rope_kv_write."""
+    if uses_gemv(x.shape[0], weight.shape[0]):
+        gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
+                  bf16_inputs=bf16_inputs)
+    else:
+        qkv = scratch[:x.shape[0]]
+        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs)
+        rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream)
 
 
 def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):

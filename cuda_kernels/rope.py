@@ -17,6 +17,8 @@ rotation pairs (thread j owns pair i = j % (d/2) of head j // (d/2): it reads x1
 both outputs, so nothing is read after another thread wrote it) and then over the Hkv * d value entries.
 
 Versions: v1 only. Fusing the cache write here saves a kernel launch and a round trip of K through memory.
+At decode sizes the engine fuses this kernel's work into the QKV gemv's epilogue instead
+(matmul.matmul_rope_kv_write); prefill steps run this kernel.
 """
 
 from functools import lru_cache
@@ -76,8 +78,9 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
 # launchers
 
 
-def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0):
-    """Rotate Q into q_out (T, Hq, d); rotate K and write it with V into the cache at slot_mapping."""
+def check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
+    """Validate rope_kv_write's arguments other than qkv (also those of matmul.gemv_rope, its fusion with the
+    QKV projection); return (T, Hq, Hkv, d)."""
     if q_out.ndim != 3 or q_out.dtype.name != "float32":
         raise ValueError(f"q_out: expected (T, Hq, d) float32, got {tuple(q_out.shape)} {q_out.dtype}")
     t, hq, d = q_out.shape
@@ -86,10 +89,6 @@ def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_ou
                          f"got {tuple(k_cache.shape)} {k_cache.dtype}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache: expected {tuple(k_cache.shape)} uint16, got {tuple(v_cache.shape)} {v_cache.dtype}")
-    hkv = k_cache.shape[2]
-    if qkv.shape != (t, (hq + 2 * hkv) * d) or qkv.dtype.name != "float32":
-        raise ValueError(f"qkv: expected ({t}, {(hq + 2 * hkv) * d}) float32 for Hq={hq}, Hkv={hkv}, d={d}; "
-                         f"got {tuple(qkv.shape)} {qkv.dtype}")
     if d % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {d}")
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != d // 2 or cos.dtype.name != "float32":
@@ -97,6 +96,15 @@ def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_ou
     for name, a in (("positions", positions), ("slot_mapping", slot_mapping)):
         if a.shape != (t,) or a.dtype.kind != "i":
             raise ValueError(f"{name}: expected ({t},) integer, got {tuple(a.shape)} {a.dtype}")
+    return t, hq, k_cache.shape[2], d
+
+
+def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0):
+    """Rotate Q into q_out (T, Hq, d); rotate K and write it with V into the cache at slot_mapping."""
+    t, hq, hkv, d = check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out)
+    if qkv.shape != (t, (hq + 2 * hkv) * d) or qkv.dtype.name != "float32":
+        raise ValueError(f"qkv: expected ({t}, {(hq + 2 * hkv) * d}) float32 for Hq={hq}, Hkv={hkv}, d={d}; "
+                         f"got {tuple(qkv.shape)} {qkv.dtype}")
     if t:
         pdl.launch(_rope_kv_write_kernel(hq, hkv, d)[t, THREADS, stream], qkv, positions, cos, sin, k_cache,
                    v_cache, slot_mapping, q_out)

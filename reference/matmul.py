@@ -13,6 +13,7 @@ import numpy as np
 
 from reference.activation import silu_and_mul
 from reference.bf16 import bf16_to_f32, round_to_bf16
+from reference.rope import rope_kv_write
 
 
 def matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:
@@ -24,3 +25,12 @@ def matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.n
 def gated_matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:
     """silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K) -> (M, F) float32."""
     return silu_and_mul(matmul(x, weight, bf16_inputs))
+
+
+def matmul_rope_kv_write(x: np.ndarray, weight: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                         k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray, num_heads: int,
+                         bf16_inputs: bool = False) -> np.ndarray:
+    """The fused QKV projection followed by reference.rope.rope_kv_write: returns the rotated q (T, Hq, d) and
+    writes each token's rotated K and its V into the caches at slot_mapping (in place)."""
+    return rope_kv_write(matmul(x, weight, bf16_inputs), positions, cos, sin, k_cache, v_cache, slot_mapping,
+                         num_heads)

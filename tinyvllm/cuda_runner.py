@@ -7,11 +7,12 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
 1. packs the scheduled batch on the host (tinyvllm/batch.py) into one pinned buffer and copies it to the
    device in one transfer (tinyvllm/step_inputs.py);
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
-   -> QKV matmul -> RoPE + KV-cache write -> attention (paged decode when every sequence has one new token,
-   flash-style prefill otherwise, on tensor cores when the head size allows) -> O matmul -> residual +
-   RMSNorm -> gate/up matmul + SiLU*mul (one gemv at decode sizes) -> down matmul] -> final residual +
-   RMSNorm -> gather of the sampled rows -> LM head on those rows only; most of these kernels are launched
-   with programmatic dependent launch (cuda_kernels/pdl.py), so each starts while the one before it finishes;
+   -> QKV matmul + RoPE + KV-cache write (one gemv at decode sizes) -> attention (paged decode when every
+   sequence has one new token, flash-style prefill otherwise, on tensor cores when the head size allows)
+   -> O matmul -> residual + RMSNorm -> gate/up matmul + SiLU*mul (one gemv at decode sizes) -> down
+   matmul] -> final residual + RMSNorm -> gather of the sampled rows -> LM head on those rows only; most of
+   these kernels are launched with programmatic dependent launch (cuda_kernels/pdl.py), so each starts
+   while the one before it finishes;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
@@ -34,7 +35,7 @@ from functools import partial
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import attention, embedding, matmul, paged_attention, rmsnorm, rope, sampling
+from cuda_kernels import attention, embedding, matmul, paged_attention, rmsnorm, sampling
 from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
@@ -190,7 +191,7 @@ class CUDARunner:
         t, _, n, _ = shape
         ids, pos, slots, tables, ctx = (v[k] for k in ("token_ids", "positions", "slot_mapping", "block_tables",
                                                         "context_lens"))
-        x, h, sub, qkv, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.qkv, self.q, self.attn))
+        x, h, sub, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.q, self.attn))
         act = self.act[:t]
         decode = max_q_len == 1
         mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs)
@@ -202,8 +203,8 @@ class CUDARunner:
                 rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream)
             else:
                 rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
-            mm(h, layer["qkv"], qkv, stream)
-            rope.rope_kv_write(qkv, pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots, q, stream)
+            matmul.matmul_rope_kv_write(h, layer["qkv"], pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
+                                        slots, q, self.qkv, stream, bf16_inputs=self.bf16_inputs)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
                                                 stream, workspace=self.attn_workspace)

@@ -14,6 +14,10 @@ from cuda_kernels import compat  # noqa: F401  (the numpy shim must precede numb
 from numba import cuda  # noqa: E402
 
 from reference.bf16 import f32_to_bf16  # noqa: E402
+from tinyvllm.config import RopeScaling  # noqa: E402
+
+# Llama 3's rope_scaling (Llama 3.1 / 3.2 configs): the tables the kernels' tests rotate with
+LLAMA3 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 SIM = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "sim"
 

@@ -13,14 +13,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_support import F32_EPS, SIM, device_empty, dot_tolerance, pick, sizes, to_device
+from kernel_support import F32_EPS, LLAMA3, SIM, device_empty, dot_tolerance, pick, sizes, to_device
 from numba import cuda
 
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
+from reference.kv_cache import allocate_kv_cache
 from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
+from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
+from reference.rope import rope_tables
+
 
 # Llama-3.2-1B weights as (N, K): QKV fused, O, gate/up fused, down, LM head.
 LLAMA_1B_WEIGHTS = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]
@@ -109,7 +113,7 @@ GEMV_CONFIGS = [None, mm.GemvConfig(), mm.GemvConfig(warps_per_block=3, rows_per
 # every policy configuration too.
 GEMV_PASS_CONFIGS = [mm.GemvConfig(2, 1, 2, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(4, 1, 2, 2)]
 if not SIM:
-    GEMV_PASS_CONFIGS += [mm.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_LONG_K, mm.GEMV_WIDE_M,
+    GEMV_PASS_CONFIGS += [mm.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_LONG_K_M, mm.GEMV_WIDE_M,
                           mm.GEMV_SPLIT_M]
 
 
@@ -132,7 +136,7 @@ def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
 
 
 @pytest.mark.parametrize("m, n, k, want", [
-    (1, 3072, 2048, mm.GEMV_SPLIT), (1, 2048, 8192, mm.GEMV_LONG_K), (1, 128256, 2048, mm.GEMV_WIDE),
+    (1, 3072, 2048, mm.GEMV_SPLIT), (1, 2048, 8192, mm.GEMV_SPLIT), (1, 128256, 2048, mm.GEMV_WIDE),
     (2, 2048, 8192, mm.GEMV_LONG_K_M), (4, 2048, 8192, mm.GEMV_SPLIT_M), (8, 16384, 2048, mm.GEMV_WIDE_M),
 ])
 def test_gemv_config_policy(m, n, k, want):
@@ -217,6 +221,102 @@ def test_gemv_gated_checks():
         mm.gemv(x, w, device_empty((1, 6), np.float32), gated=True)
     with pytest.raises(ValueError, match="even rows_per_warp"):
         mm.gemv(x, w, device_empty((1, 3), np.float32), config=mm.GemvConfig(2, 1, 1, 1), gated=True)
+
+
+def rope_case(seed, m, heads, k, block_size):
+    """x, the fused QKV weight, the RoPE tables (llama3-scaled), positions, slots (one -1 when m > 1) and
+    NaN-poisoned caches for `m` tokens of `heads` = (Hq, Hkv, d)."""
+    hq, hkv, d = heads
+    rng = np.random.default_rng(seed)
+    x, w = make_inputs(seed, m, (hq + 2 * hkv) * d, k)
+    max_pos = pick(64, 9000)
+    cos, sin = rope_tables(d, max_pos, 500000.0, LLAMA3)
+    positions = rng.integers(0, max_pos, m).astype(np.int32)
+    num_blocks = -(-m // block_size) + 1
+    slots = rng.permutation(num_blocks * block_size)[:m].astype(np.int32)
+    if m > 1:
+        slots[rng.integers(0, m)] = -1  # a padding token writes nothing
+    return x, w, cos, sin, positions, slots, allocate_kv_cache(num_blocks, block_size, hkv, d)
+
+
+def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num_heads, bf16_inputs):
+    """q_out and the caches == reference.matmul.matmul_rope_kv_write. Each dot product carries its summation
+    error (dot_tolerance); a rotated value a c - b s adds those of its pair (|c|, |s| <= 1) and a few ulps of
+    |a| + |b|; K and V add the bf16 rounding of the moved value (one bf16 ulp, 2^-7 relative). Slots not
+    written keep their NaN bit for bit."""
+    k_ref, v_ref = cache.copy(), cache.copy()
+    q_ref = reference_matmul_rope_kv_write(x, w, positions, cos, sin, k_ref, v_ref, slots, num_heads, bf16_inputs)
+    xr = round_to_bf16(x) if bf16_inputs else x
+    m, d = x.shape[0], cache.shape[3]
+    qkv = reference_matmul(xr, w).astype(np.float64).reshape(m, -1, 2, d // 2)
+    tol = dot_tolerance(x.shape[1], np.abs(xr) @ np.abs(bf16_to_f32(w)).T).reshape(m, -1, 2, d // 2)
+    pair = tol.sum(axis=2, keepdims=True) + 4 * F32_EPS * np.abs(qkv).sum(axis=2, keepdims=True)
+    bound = np.broadcast_to(pair, qkv.shape).reshape(m, -1, d)    # (M, Hq + 2 Hkv, d)
+    hkv = cache.shape[2]
+    got_q = q_out.copy_to_host()
+    assert np.all(np.abs(got_q - q_ref) <= bound[:, :num_heads]), "q"
+    for name, got, want, part in (("K", k_dev.copy_to_host(), k_ref, slice(num_heads, num_heads + hkv)),
+                                  ("V", v_dev.copy_to_host(), v_ref, slice(num_heads + hkv, None))):
+        written = slots >= 0
+        blocks, offsets = slots[written] // cache.shape[1], slots[written] % cache.shape[1]
+        g, r = bf16_to_f32(got[blocks, offsets]), bf16_to_f32(want[blocks, offsets])
+        if name == "V":  # V is not rotated: its own dot's tolerance
+            b = tol.reshape(m, -1, d)[written][:, part]
+        else:
+            b = bound[written][:, part]
+        err = np.abs(g.astype(np.float64) - r)
+        assert np.all(err <= b + 2 ** -7 * np.abs(r)), f"{name}: worst {err.max():.3g}"
+        untouched = np.ones(cache.shape[:2], bool)
+        untouched[blocks, offsets] = False
+        assert np.array_equal(got[untouched], cache[untouched]), f"{name}: a slot not in slot_mapping was written"
+
+
+rope_heads = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (2, 2, 8)], [(32, 8, 64), (9, 3, 64), (24, 8, 128), (4, 4, 64)]))
+# the policy's QKV configurations and hand-picked ones, K split or not (rows_per_warp even: pairs)
+ROPE_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1)]
+if not SIM:
+    ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_M, mm.GemvConfig(8, 4, 2, 4)]
+
+
+@settings(max_examples=pick(8, 15))
+@given(seeds, st.sampled_from([1, 2, 3, 8]), rope_heads, st.sampled_from(pick([4, 20, 70], [2048, 1000, 8192])),
+       st.sampled_from([4, 16]), st.sampled_from(ROPE_CONFIGS), st.booleans())
+def test_gemv_rope(seed, m, heads, k, block_size, config, bf16_inputs):
+    """The QKV gemv with rope_kv_write as its epilogue: every head's pairs (i, i + d/2) rotated, q written,
+    K and V in their slots (a padding token's slot -1 writes nothing), K with and without a uint64 view."""
+    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, block_size)
+    q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
+    k_dev, v_dev = to_device(cache), to_device(cache)
+    mm.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
+                 to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs)
+    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
+
+
+@settings(max_examples=pick(3, 6))
+@given(seeds, st.sampled_from(pick([1, 20], [1, 8, 64])), st.booleans())
+def test_matmul_rope_kv_write_dispatch(seed, m, bf16_inputs):
+    """The engine's entry point: gemv_rope at decode sizes, matmul + rope.rope_kv_write above."""
+    heads, k = pick(((2, 1, 8), 24), ((32, 8, 64), 2048))
+    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, 16)
+    q_out, scratch = device_empty((m, heads[0], heads[2]), np.float32), device_empty((64, w.shape[0]), np.float32)
+    k_dev, v_dev = to_device(cache), to_device(cache)
+    mm.matmul_rope_kv_write(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin),
+                            k_dev, v_dev, to_device(slots), q_out, scratch, bf16_inputs=bf16_inputs)
+    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
+
+
+def test_gemv_rope_checks():
+    x, cache = device_empty((2, 8), np.float32), device_empty((2, 4, 1, 8), np.uint16)
+    ids, cos = device_empty(2, np.int32), device_empty((10, 4), np.float32)
+    q_out = device_empty((2, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"q_out and the caches need \(2, 32\) for Hq=2, Hkv=1, d=8"):
+        mm.gemv_rope(x, device_empty((24, 8), np.uint16), ids, cos, cos, cache, cache, ids, q_out)
+    with pytest.raises(ValueError, match="even rows_per_warp"):
+        mm.gemv_rope(x, device_empty((32, 8), np.uint16), ids, cos, cos, cache, cache, ids, q_out,
+                     config=mm.GemvConfig(2, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"slot_mapping: expected \(2,\) integer"):
+        mm.gemv_rope(x, device_empty((32, 8), np.uint16), ids, cos, cos, cache, cache, device_empty(3, np.int32),
+                     q_out)
 
 
 def test_gemv_config_checks():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_support import F32_EPS, assert_close, device_empty, pick, random_bf16, sizes, to_device
+from kernel_support import F32_EPS, LLAMA3, assert_close, device_empty, pick, random_bf16, sizes, to_device
 
 from cuda_kernels import activation, embedding, rmsnorm, rope
 from reference import activation as ref_activation
@@ -14,12 +14,10 @@ from reference import rmsnorm as ref_rmsnorm
 from reference import rope as ref_rope
 from reference.bf16 import bf16_to_f32, f32_to_bf16
 from reference.kv_cache import allocate_kv_cache
-from tinyvllm.config import RopeScaling
 
 seeds = st.integers(0, 2**32 - 1)
 hidden = sizes(70, [2048, 576], 3000)
 tokens = sizes(5, [1, 7, 64, 256], 300)
-LLAMA3 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
 @given(seeds, tokens, hidden, st.sampled_from(pick([1, 7, 50], [1, 49152, 128256])))

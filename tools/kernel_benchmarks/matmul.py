@@ -166,10 +166,10 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
 
 
 # gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split); the first version's
-# (4, 2, 1, 1), the policy's three and their neighbours
-GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_LONG_K] + [mm.GemvConfig(*c) for c in (
-    (8, 2, 4, 4), (8, 2, 4, 2), (16, 2, 2, 8), (8, 4, 2, 4), (4, 2, 2, 2), (16, 2, 2, 4), (8, 2, 1, 4),
-    (4, 4, 2, 2), (4, 2, 8, 1), (8, 2, 4, 1))]
+# (4, 2, 1, 1), the policy's two at M = 1, the earlier policy's (8, 4, 2, 4) and (4, 4, 2, 2), and neighbours
+GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GemvConfig(8, 4, 2, 4)] + [
+    mm.GemvConfig(*c) for c in ((4, 4, 2, 2), (8, 2, 4, 2), (16, 2, 2, 8), (4, 2, 2, 2), (16, 2, 2, 4),
+                                (8, 2, 1, 4), (4, 2, 8, 1), (8, 2, 4, 1), (4, 4, 4, 4), (8, 2, 8, 4))]
 # the few of them timed at M > 1 as well (M rows share each weight read there)
 GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4)]
 COLD_BYTES = 256 << 20   # weight copies cycled through per timed graph: 5x the H200's 50 MB L2
