@@ -59,7 +59,8 @@ reads K/V once for all G heads.
             tokens); a slot takes keys slot, slot + 32 / LPK, ... of the block, U at a time (all their loads
             issued before the first use). The score of a key for head h is the lane's partial dot product
             (q times scale log2(e), held in registers) summed over the slot's LPK lanes with LPK-wide xor
-            shuffles; every lane of the slot then has it.
+            shuffles; every lane of the slot then has it. Under PDL the first round's table entry and
+            K/V loads go out before the wait for the kernel before, all but the newest key's (see attend).
     state : per slot and head an online-softmax state (m, l, acc), acc over the lane's own dims: no
             cross-slot traffic in the loop; acc and l are rescaled only when a key raises m (rare after the
             first keys), instead of every tile.
@@ -106,8 +107,9 @@ SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
 # The most warps a caller may ask for. NOTE: the register file bounds a block too (65,536 registers per SM).
 # ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-232 registers per thread, the most where the shared
 # memory allows the fewest warps. At 32 warps a one-head block (72 x 1,024) would not launch, and at 16 one
-# configuration fails (head_dim 40, group 4, 8 lanes: 134 x 512). 12 leaves a margin for other compilers:
-# tools/offline_compile.py --attention-warps checks every configuration offline.
+# configuration fails (head_dim 40, group 4, 8 lanes: 134 x 512). At 12 the most any configuration needs is
+# 61,824 (head_dim 40, group 8, 8 lanes: 161 x 384, since the first round's loads before the PDL wait;
+# 51,072 before): tools/offline_compile.py --attention-warps checks every configuration offline.
 MAX_FAST_WARPS = 12
 SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
@@ -398,15 +400,35 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         """KV blocks holding the context's keys (never past the block table, whatever context_lens says)."""
         return min(max(ctx + BS - 1, 0) // BS, block_tables.shape[1])
 
+    @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that kw and vw stay in registers
+    def load_keys(k_rows, v_rows, kvh, phys, b, c0, live, limit, kw, vw):
+        """Issue the loads of the lane's U keys c0 + u * KPW + slot of KV block b (physical block phys): its
+        words of their K and V rows, 0 for a key at or past `limit` (or past the block)."""
+        lane = cuda.threadIdx.x % WARP
+        slot, col = lane // LPK, uint64(lane % LPK)   # NOTE: unsigned indices: no wraparound code per load
+        for u in range(U):
+            off = c0 + u * KPW + slot
+            ok = live and off < BS and b * BS + off < limit
+            row = uint64((phys * BS + off) * HKV + kvh)
+            for i in range(WPL):
+                # NOTE: mask before the load: a slot past the context may hold anything (NaN in the tests)
+                # and 0 * NaN is NaN, so it is never read.
+                if ok and (EVEN or lane % LPK + LPK * i < WD):
+                    kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
+                    vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
+                else:
+                    kw[u * WPL + i] = U64_ZERO
+                    vw[u * WPL + i] = U64_ZERO
+
     @cuda.jit(device=True)
     def attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc):
         """Walk KV blocks b_begin .. b_end - 1 of sequence seq for query heads h0 .. h0 + nh - 1; leaves each
         (warp, slot) state in shared memory: m in sm, l in sl, acc in sacc (row (warp * KPW + slot) * SS,
-        head h at h * D)."""
+        head h at h * D). Executes pdl.grid_wait() after the first loads (see below)."""
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         slot, sub = lane // LPK, lane % LPK
-        col = uint64(sub)        # NOTE: unsigned indices: no negative-index wraparound code per load
+        col = uint64(sub)
         qr = cuda.local.array(QW, float32)       # q of the block's heads at the lane's dims, times scale log2(e)
         acc = cuda.local.array(QW, float32)
         m = cuda.local.array(HB, float32)
@@ -415,6 +437,17 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         kw = cuda.local.array(KW, uint64)
         vw = cuda.local.array(KW, uint64)
         scale2 = scale * LOG2E   # scores in log2 units: exp(s - m) = exp2(s log2(e) - m log2(e))
+
+        # NOTE: the first round's first loads go out before pdl.grid_wait. A decode step's kernels write only
+        # the newest key of each sequence (position ctx - 1, the QKV projection's RoPE + cache write); the
+        # block table, the context lengths and every older key were written before the step began. So the
+        # table entry and the K/V words of the older keys are read while the kernel before finishes
+        # (pdl.py, rule 2), and the newest key, if it is among them, is loaded after the wait.
+        b = b_begin + warp
+        live = b < b_end
+        phys = block_tables[seq, b] if live else 0
+        load_keys(k_rows, v_rows, kvh, phys, b, 0, live, ctx - 1, kw, vw)
+        pdl.grid_wait()
         for h in range(HB):
             for i in range(WPL):
                 w = sub + LPK * i
@@ -432,21 +465,22 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         for rnd in range((b_end - b_begin + NW - 1) // NW):
             b = b_begin + rnd * NW + warp
             live = b < b_end
-            phys = block_tables[seq, b] if live else 0
+            if rnd > 0:
+                phys = block_tables[seq, b] if live else 0
             for c0 in range(0, BS, CH):
-                # All the round's loads first, then their uses. NOTE: mask before the load: a slot past the
-                # context may hold anything (NaN in the tests) and 0 * NaN is NaN, so it is never read.
-                for u in range(U):
-                    off = c0 + u * KPW + slot
-                    ok = live and off < BS and b * BS + off < ctx
-                    row = uint64((phys * BS + off) * HKV + kvh)
-                    for i in range(WPL):
-                        if ok and (EVEN or sub + LPK * i < WD):
-                            kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
-                            vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
-                        else:
-                            kw[u * WPL + i] = U64_ZERO
-                            vw[u * WPL + i] = U64_ZERO
+                # All the round's loads first, then their uses.
+                if rnd > 0 or c0 > 0:
+                    load_keys(k_rows, v_rows, kvh, phys, b, c0, live, ctx, kw, vw)
+                else:
+                    # the newest key, if it is one of the prefetched: its lane's words, now that the wait is over
+                    for u in range(U):
+                        off = u * KPW + slot
+                        if live and off < BS and b * BS + off == ctx - 1:
+                            row = uint64((phys * BS + off) * HKV + kvh)
+                            for i in range(WPL):
+                                if EVEN or sub + LPK * i < WD:
+                                    kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
+                                    vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
                 for u in range(U):
                     # Scores: the lane's share of each dot product (fp32, one FMA per product), then the
                     # slot's sum.
@@ -529,13 +563,12 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/4) u64, row (block * BS + offset) * HKV
         # + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * C)
         pdl.launch_dependents()
-        pdl.grid_wait()   # q and the new token's K/V come from the kernel before
         seq, kvh, h0, nh = seq_and_heads()
         sm = cuda.shared.array(ML_SIZE, float32)
         sl = cuda.shared.array(ML_SIZE, float32)
         sw = cuda.shared.array(ML_SIZE, float32)
         sacc = cuda.shared.array(ACC_SIZE, float32)
-        ctx = context_lens[seq]
+        ctx = context_lens[seq]   # a step input, read before the wait (see attend)
         attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, 0, table_blocks(ctx, block_tables), ctx,
                scale, sm, sl, sacc)
         weigh(sm, sl, sw)
@@ -550,13 +583,13 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         # partial_out (S, Hq, P, D) f32; partial_max, partial_sum (S, Hq, P) f32; grid (S, HKV * C, P),
         # partition p = KV blocks p * partition_blocks .. (p + 1) * partition_blocks - 1
         pdl.launch_dependents()
-        pdl.grid_wait()   # before the early return below too (cuda_kernels/pdl.py, rule 1)
         seq, kvh, h0, nh = seq_and_heads()
         part = cuda.blockIdx.z
-        ctx = context_lens[seq]
+        ctx = context_lens[seq]   # a step input, read before the wait (see attend)
         b_begin = part * partition_blocks
         b_end = min(table_blocks(ctx, block_tables), b_begin + partition_blocks)
         if b_begin >= b_end:
+            pdl.grid_wait()   # before the early return too (cuda_kernels/pdl.py, rule 1)
             return  # past the context: paged_attention_reduce_kernel never reads this partition
         sm = cuda.shared.array(ML_SIZE, float32)
         sl = cuda.shared.array(ML_SIZE, float32)
@@ -667,7 +700,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     context is split into decode_partitions(...) partitions (from shapes only: CUDA-graph safe) and a second
     kernel merges them; without it one pass per (sequence, KV head), fine for big batches.
     partition_blocks, lanes_per_key, warps: override the policy (tests and benchmarks); any partition_blocks
-    >= 1, lanes_per_key 4 or 8 and warps from 1 to what the shared memory holds are correct."""
+    >= 1, lanes_per_key 4 or 8 and warps from 1 to what the shared memory holds are correct.
+    NOTE: launched with PDL, so the kernel before it in the stream may still run while this one reads
+    block_tables, context_lens and the K/V of every key but each sequence's newest (position
+    context_len - 1): only that key may come from the kernel before (a decode step's QKV + RoPE)."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
     num_seqs, num_heads = q.shape[:2]
     num_kv_heads = k_cache.shape[2]

@@ -11,15 +11,18 @@ as a small kernel's own work. On sm_90 and later, PDL overlaps that:
   *args)`` below). Before B touches memory that an earlier kernel writes, B executes ``grid_wait()``
   (griddepcontrol.wait). The wait returns when every grid B depends on has completed, with its writes visible.
 
-So the code before the wait overlaps A's tail: there, a kernel may read only what no kernel writes (weights),
-and it must not write anything. The gemv issues its first weight loads before the wait; the other kernels wait
-first and gain the launch latency.
+So the code before the wait overlaps A's tail (and possibly earlier kernels: A itself may not have passed its
+own wait yet): there, a kernel may read only what no kernel still running can write, and it must not write
+anything. The gemv issues its first weight loads before the wait; decode attention reads the step inputs
+(block tables, context lengths) and the K/V of keys older than the step; the other kernels wait first and
+gain the launch latency.
 
 Rules for a kernel launched through `launch`:
 1. Every block executes grid_wait() before it exits, including blocks with nothing to do. A grid completes
    only after all its blocks do. So if each launched kernel waited for its predecessor, the chain is
    transitive: when B's wait returns, A has completed, and A's own wait means everything before A has too.
-2. Before the wait: no write, and no read of anything a kernel writes.
+2. Before the wait: no write, and no read of anything a kernel of the same step writes (weights, and inputs
+   copied in before the step, are fine: the graph starts after the copy).
 A kernel launched the ordinary way may still call both functions: grid_wait() then returns at once, and
 launch_dependents() only lets a PDL-launched successor start early.
 

@@ -13,10 +13,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kernel_support import F32_EPS, SIM, assert_close, device_empty, pick, to_device
 
-from cuda_kernels import attention, paged_attention
+from numba import cuda
+
+from cuda_kernels import attention, matmul, paged_attention
 from reference import paged_attention as ref
-from reference.bf16 import f32_to_bf16, round_to_bf16
-from reference.kv_cache import allocate_kv_cache, kv_cache_write
+from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
+from reference.kv_cache import BF16_NAN, allocate_kv_cache, kv_cache_write
+from reference.rope import rope_tables
+from tinyvllm.cuda_graph import CUDAGraph
 
 seeds = st.integers(0, 2**32 - 1)
 KINDS = ("normal", "large", "tied", "negative")
@@ -208,6 +212,59 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
                                     partition_blocks=partition_blocks, lanes_per_key=lanes, warps=warps)
     want = decode_reference(q, k_cache, v_cache, tables, lens, scale)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
+
+
+@settings(max_examples=pick(4, 10))
+@given(seeds, st.lists(st.integers(1, pick(40, 128)), min_size=1, max_size=pick(2, 8)), st.booleans())
+@example(seed=3, contexts=[1, 17, 40], split=True)
+def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, split):
+    """A decode layer's QKV and attention as the engine runs them (one CUDA graph on the GPU, so that under
+    PDL the attention kernel's first loads overlap the gemv): matmul.gemv_rope writes each sequence's newest
+    key, at position ctx - 1, into a slot that holds NaN until then, and paged_attention must use the new
+    key. Its loads before the wait skip that key (it is in their first round for these short contexts) and
+    fetch it after; a kernel that read it early would return NaN. split: the split kernel, a partition per
+    KV block."""
+    hq, hkv, d, k, bs = pick((4, 2, 8, 24, 4), (32, 8, 64, 2048, 16))
+    rng = np.random.default_rng(seed)
+    k_cache, v_cache, tables, _, _, _ = make_cache(rng, contexts, bs, hkv, d, "normal")
+    lens = np.array(contexts, np.int32)
+    positions = lens - 1
+    slots = (tables[np.arange(len(lens)), positions // bs] * bs + positions % bs).astype(np.int32)
+    k_cache[slots // bs, slots % bs] = BF16_NAN   # the newest keys are the gemv's to write
+    v_cache[slots // bs, slots % bs] = BF16_NAN
+    x = rng.standard_normal((len(lens), k), dtype=np.float32)
+    w = f32_to_bf16(rng.standard_normal(((hq + 2 * hkv) * d, k), dtype=np.float32) / np.float32(np.sqrt(k)))
+    cos, sin = rope_tables(d, 256, 500000.0)
+    k_dev, v_dev = to_device(k_cache), to_device(v_cache)
+    args = devices(x, w, positions, cos, sin)
+    tables_dev, lens_dev, slots_dev = devices(tables, lens, slots)
+    q, out = device_empty((len(lens), hq, d), np.float32), device_empty((len(lens), hq, d), np.float32)
+    workspace = to_device(np.full(len(lens) * hq * tables.shape[1] * (d + 2), np.nan, np.float32)) if split else None
+    scale = 1 / np.sqrt(d)
+
+    def layer(stream):
+        matmul.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream)
+        paged_attention.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
+                                        workspace=workspace, partition_blocks=1 if split else None)
+
+    stream = cuda.stream()
+    layer(stream)   # in the simulator the test; on the GPU it compiles what the capture needs
+    if not SIM:
+        stream.synchronize()
+        k_dev.copy_to_device(k_cache)
+        v_dev.copy_to_device(v_cache)
+        CUDAGraph(layer, stream).replay()
+    stream.synchronize()
+    q_got, k_got, v_got = q.copy_to_host(), k_dev.copy_to_host(), v_dev.copy_to_host()
+    assert not np.isnan(bf16_to_f32(k_got[slots // bs, slots % bs])).any()   # the gemv wrote the newest keys
+    ks, vs = [], []
+    for s_, ctx in enumerate(contexts):
+        j = np.arange(ctx)
+        blocks, offsets = tables[s_, j // bs], j % bs
+        ks.append(bf16_to_f32(k_got[blocks, offsets]))
+        vs.append(bf16_to_f32(v_got[blocks, offsets]))
+    want = decode_reference(q_got, k_got, v_got, tables, lens, scale)
+    assert_close(out, want, atol=decode_atol(q_got, ks, vs, scale, hq // hkv), rtol=4 * F32_EPS)
 
 
 def test_decode_policy_depends_on_shapes_only():
