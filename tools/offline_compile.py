@@ -234,7 +234,7 @@ def main() -> int:
     if args.attention_warps:
         return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size) else 0
     run_steps(args.block_size)
-    print(f"| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
+    print("| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     failed, seen = 0, set()
     for name, grid, block, done in report:
