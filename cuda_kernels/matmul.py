@@ -91,7 +91,10 @@ Versions:
    256 and 1024 in both modes: 1.1-1.4x, e.g. QKV at M = 64 with bf16 inputs 30.6 us against 38.6, gate/up
    at M = 1024 in fp32 mode 1,006 against 1,389 (BENCHMARKS.md).
 5. matmul: what the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for wide weights), gemm_tc
-   above (gemm in the simulator).
+   above (gemm in the simulator), and from PIPELINED_MIN_M rows, when the caller gives a workspace for x's
+   bf16 planes, version 6.
+6. gemm_pipelined (cuda_kernels/gemm_pipelined.py): x converted once into bf16 planes, then both operands
+   streamed into shared memory by cp.async several K slabs ahead, fragments loaded with ldmatrix.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, pdl, rope
+from cuda_kernels import activation, gemm_pipelined, pdl, rope
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
@@ -184,6 +187,9 @@ GEMM_TC_SKINNY_BLOCKS = 2 * SM_COUNT // 3   # the widest skinny tile with at lea
 GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes the deep slabs
 # Simulator default: 4 warps (2 along N, 2 K groups) with one k-step each, every code path at 128 threads.
 GEMM_TC_SIM_TILE = GemmTcTile(16, 16, 32, 16, 8, 2)
+# From this many rows matmul takes gemm_pipelined when it is given a planes workspace (measured, see
+# gemm_pipelined.pipelined_tile)
+PIPELINED_MIN_M = 257
 _NAIVE_BLOCK_N = 128
 
 
@@ -1064,12 +1070,17 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
     kernel[grid, kernel.threads, stream](x, w, out)
 
 
+def uses_pipelined(m: int, k: int) -> bool:
+    """Whether matmul, given a planes workspace, sends x (m, k) to gemm_pipelined rather than gemm_tc."""
+    return not SIMULATOR and k % 8 == 0 and m >= PIPELINED_MIN_M
+
+
 def uses_gemv(m: int, n: int) -> bool:
     """Whether matmul sends x (m, K) @ W (n, K)^T to gemv (decode sizes) rather than a tiled kernel."""
     return m <= (GEMV_WIDE_MAX_M if n >= GEMV_WIDE_N else GEMV_MAX_M)
 
 
-def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False):
+def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, workspace=None):
     """out (M, F) <- silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K): at decode sizes
     one gemv with the SiLU*mul in its epilogue, else matmul into scratch (at least (M, 2F) float32) and
     activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
@@ -1077,12 +1088,12 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs, gated=True)
     else:
         gate_up = scratch[:x.shape[0]]
-        matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs)
+        matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs, workspace=workspace)
         activation.silu_and_mul(gate_up, out, stream)
 
 
 def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,
-                         bf16_inputs: bool = False):
+                         bf16_inputs: bool = False, workspace=None):
     """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
     memory, no RoPE kernel), else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
@@ -1092,13 +1103,15 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
                   bf16_inputs=bf16_inputs)
     else:
         qkv = scratch[:x.shape[0]]
-        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs)
+        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace)
         rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream)
 
 
-def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
+def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
-    of GEMV_WIDE_N rows or more), gemm_tc above.
+    of GEMV_WIDE_N rows or more); given a workspace for x's bf16 planes (at least
+    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined from PIPELINED_MIN_M rows when
+    K % 8 == 0; gemm_tc for the rest.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
     multiplied, by whichever kernel runs.
@@ -1109,5 +1122,9 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
     elif SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)
+    elif workspace is not None and uses_pipelined(x.shape[0], x.shape[1]):
+        M, N, K = _check_args(x, weight, out)
+        gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream,
+                                      tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs), bf16_inputs=bf16_inputs)
     else:
         gemm_tc(x, weight, out, stream, bf16_inputs=bf16_inputs)

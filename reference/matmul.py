@@ -12,7 +12,7 @@ the kernels differ from this only in the order of the fp32 sums.
 import numpy as np
 
 from reference.activation import silu_and_mul
-from reference.bf16 import bf16_to_f32, round_to_bf16
+from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.rope import rope_kv_write
 
 
@@ -20,6 +20,24 @@ def matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.n
     """x (M, K) float32 @ bf16 weight (N, K) transposed -> (M, N) float32; x rounded to bf16 first if asked."""
     x = np.asarray(x, dtype=np.float32)
     return (round_to_bf16(x) if bf16_inputs else x) @ bf16_to_f32(weight).T
+
+
+def bf16_planes(x: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:
+    """The bf16 planes the pipelined GEMM multiplies, (P, M, K) uint16: x rounded to nearest even (P = 1,
+    bf16_inputs), or the bf16x3 split (P = 3, cuda_kernels/mma.split_bf16x3): hi keeps x's top 16 bits, mid
+    the top 16 bits of x - hi, lo those of x - hi - mid (which has at most 8 significant bits left, so
+    nothing is dropped): hi + mid + lo == x exactly. An
+    infinite x is all hi. Summing planes @ W^T over p is matmul(x, W, bf16_inputs) up to the order of sums."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if bf16_inputs:
+        return f32_to_bf16(x)[None]
+    top = np.uint32(0xFFFF0000)
+    hi = (x.view(np.uint32) & top).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        rest = np.where(np.isinf(x), np.float32(0), x - hi).astype(np.float32)
+    mid = (rest.view(np.uint32) & top).view(np.float32)
+    lo = (rest - mid).astype(np.float32)
+    return np.stack([(v.view(np.uint32) >> np.uint32(16)).astype(np.uint16) for v in (hi, mid, lo)])
 
 
 def gated_matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:

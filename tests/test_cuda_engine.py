@@ -96,7 +96,8 @@ def first_step_logits(model_dir, llm, lengths, precision="fp32"):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
 def test_first_step_logits_match_the_reference(llama_1b, gpu_llm):
-    got, want = first_step_logits(llama_1b, gpu_llm, (128, 37, 1))
+    # 300 + 37 + 1 tokens: more than matmul.PIPELINED_MIN_M, so the layers' matmuls run gemm_pipelined
+    got, want = first_step_logits(llama_1b, gpu_llm, (300, 37, 1))
     # fp32 everywhere, different summation order, and bf16 KV rounding flips: see test_reference_llama
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=2 ** -8 * np.abs(want).max())
     assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
@@ -108,10 +109,12 @@ def test_bf16_matmul_precision_matches_its_reference(tiny_model_dir):
     moved by 2e-7 against 0.026 for the bf16 rounding itself). NOTE: not on the 1B model: there, float64
     instead of fp32 sums in the bf16 reference already move the logits by up to 0.025, 60% of the rounding's
     own effect (0.042), so no tolerance separates a correct GPU from one that does not round."""
-    llm = LLM(tiny_model_dir, backend="cuda", block_size=4, num_kv_blocks=64, matmul_precision="bf16")
-    got, want = first_step_logits(tiny_model_dir, llm, (40, 9, 1), "bf16")  # gemm_tc, then gemv for the head
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
-    _, fp32 = first_step_logits(tiny_model_dir, llm, (40, 9, 1), "fp32")
+    llm = LLM(tiny_model_dir, backend="cuda", block_size=4, num_kv_blocks=128, matmul_precision="bf16")
+    # gemm_tc at 50 tokens, gemm_pipelined at 280 (from matmul.PIPELINED_MIN_M), then gemv for the head
+    for lengths in ((40, 9, 1), (270, 9, 1)):
+        got, want = first_step_logits(tiny_model_dir, llm, lengths, "bf16")
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+    _, fp32 = first_step_logits(tiny_model_dir, llm, (270, 9, 1), "fp32")
     assert np.abs(fp32 - want).max() > 100 * np.abs(got - want).max()  # the rounding did happen
     prompts = [[256, 1, 2, 3, 4, 5], [256, 40, 41], list(range(100, 160))]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -35,7 +35,7 @@ from functools import partial
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import attention, embedding, matmul, paged_attention, rmsnorm, sampling
+from cuda_kernels import attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
 from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
@@ -95,6 +95,9 @@ class CUDARunner:
         self.attn = empty((t, c.num_heads, c.head_dim), f32)
         self.gate_up = empty((t, 2 * c.intermediate_size), f32)
         self.act = empty((t, c.intermediate_size), f32)
+        # x's bf16 planes for gemm_pipelined (prefill and large batches), for the widest matmul input
+        self.planes = empty(gemm_pipelined.workspace_size(t, max(c.hidden_size, c.q_size, c.intermediate_size),
+                                                          self.bf16_inputs), np.uint16)
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
         self.tokens = empty(s, np.int32)                  # the last launched step's samples
@@ -194,7 +197,7 @@ class CUDARunner:
         x, h, sub, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.q, self.attn))
         act = self.act[:t]
         decode = max_q_len == 1
-        mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs)
+        mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs, workspace=self.planes)
         if chained:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
@@ -204,7 +207,8 @@ class CUDARunner:
             else:
                 rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
             matmul.matmul_rope_kv_write(h, layer["qkv"], pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
-                                        slots, q, self.qkv, stream, bf16_inputs=self.bf16_inputs)
+                                        slots, q, self.qkv, stream, bf16_inputs=self.bf16_inputs,
+                                        workspace=self.planes)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
                                                 stream, workspace=self.attn_workspace)
@@ -213,7 +217,8 @@ class CUDARunner:
                                        self.scale, attn, max_q_len, stream)
             mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
-            matmul.gated_matmul(h, layer["gate_up"], act, self.gate_up, stream, bf16_inputs=self.bf16_inputs)
+            matmul.gated_matmul(h, layer["gate_up"], act, self.gate_up, stream, bf16_inputs=self.bf16_inputs,
+                                workspace=self.planes)
             mm(act, layer["down"], sub, stream)
         if n == 0:
             return

@@ -1,5 +1,5 @@
-"""cuda_kernels/matmul.py (naive, gemv, gemm, gemm_tc and the matmul dispatcher) against reference/matmul.py,
-and the tensor-core primitive of cuda_kernels/mma.py on its own.
+"""cuda_kernels/matmul.py (naive, gemv, gemm, gemm_tc and the matmul dispatcher) and cuda_kernels/gemm_pipelined.py
+against reference/matmul.py, and the primitives of cuda_kernels/mma.py and cuda_kernels/async_copy.py on their own.
 
 Every version is checked the same way: random x and bf16 W of hypothesis-chosen shapes and magnitudes, the
 output compared elementwise with a tolerance derived from the numerics (fp32 sums in another order than
@@ -16,10 +16,13 @@ from hypothesis import strategies as st
 from kernel_support import F32_EPS, LLAMA3, SIM, device_empty, dot_tolerance, pick, sizes, to_device
 from numba import cuda
 
+from cuda_kernels import async_copy
+from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
+from reference.matmul import bf16_planes as reference_bf16_planes
 from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
 from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
@@ -636,3 +639,122 @@ def test_gemm_tc_shared_memory_of_one_plane():
     big2 = mm.GEMM_TC_TILE._replace(stages=2)
     assert mm.gemm_tc_shared_bytes(big2, bf16_inputs=True) == 2 * mm.gemm_tc_shared_bytes(mm.GEMM_TC_TILE, True)
     assert mm.gemm_tc_shared_bytes(big2, True) <= mm.GEMM_TC_MAX_SHARED < mm.gemm_tc_shared_bytes(big2, False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the pipelined GEMM (cuda_kernels/gemm_pipelined.py) and its staging primitives (cuda_kernels/async_copy.py)
+# ---------------------------------------------------------------------------------------------------------
+
+@settings(max_examples=pick(4, 20))
+@given(seeds, st.integers(1, pick(16, 128)), st.data())
+def test_cp_async_copies_or_zero_fills_chunks(seed, pairs, data):
+    """Every chunk lands where it was sent (read back by the neighbouring thread after the wait and a
+    barrier), and a chunk sent with valid False is 16 zero bytes, whatever the source holds."""
+    n = 2 * pairs
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, 2**16, n * async_copy.CHUNK, dtype=np.uint16)   # no zeros: a zero fill shows
+    valid = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), np.int32)
+    dst = to_device(np.full(n * async_copy.CHUNK, 7, np.uint16))
+    async_copy.copy_chunks(to_device(src), to_device(valid), dst)
+    want = np.where(valid[:, None] != 0, src.reshape(n, -1), 0)[np.arange(n) ^ 1].ravel()
+    np.testing.assert_array_equal(dst.copy_to_host(), want)
+
+
+@settings(max_examples=pick(4, 20))
+@given(seeds)
+def test_ldmatrix_x4_gives_each_lane_its_fragment(seed):
+    """Lane (g, t) gets, for matrix q, the bf16 pair at elements 2t, 2t + 1 of the row lane 8 q + g named
+    (any rows, repeats allowed), low element in the low half."""
+    rng = np.random.default_rng(seed)
+    sh = rng.integers(0, 2**16, 1024, dtype=np.uint16)
+    rows = (rng.integers(0, 1024 // async_copy.CHUNK, 32) * async_copy.CHUNK).astype(np.int64)
+    out = device_empty((32, 4), np.uint32)
+    async_copy.ldmatrix(to_device(sh), to_device(rows), out)
+    lane = np.arange(32)[:, None]
+    start = rows[8 * np.arange(4)[None, :] + lane // 4] + 2 * (lane % 4)
+    want = sh[start].astype(np.uint32) | (sh[start + 1].astype(np.uint32) << np.uint32(16))
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+@settings(max_examples=pick(4, 15))
+@given(seeds, st.integers(1, pick(12, 1100)), st.integers(1, pick(40, 3000)), x_scales, st.booleans())
+def test_bf16_planes_match_the_reference_bit_for_bit(seed, m, k, x_scale, bf16_inputs):
+    """x -> its bf16 planes, exactly reference.matmul.bf16_planes, infinities and zeros included; the
+    workspace past the planes is not written."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k), dtype=np.float32) * np.float32(x_scale)).astype(np.float32)
+    x.flat[rng.integers(0, x.size, 3)] = [np.inf, -np.inf, 0.0]
+    want = reference_bf16_planes(x, bf16_inputs).ravel()
+    planes = to_device(np.full(want.size + 8, 0xBEEF, np.uint16))
+    gp.bf16_planes(to_device(x), planes, bf16_inputs=bf16_inputs)
+    got = planes.copy_to_host()
+    np.testing.assert_array_equal(got[:want.size], want)
+    assert (got[want.size:] == 0xBEEF).all()
+
+
+# tiles for the simulator's tests (tiny, every code path: more than one warp along M and N, chunks that do
+# not divide evenly over the threads, two stages) and the GPU's (the candidates the policy picks from)
+PIPELINED_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2)],
+                       [gp.PipelinedTile(), gp.PipelinedTile(128, 128, 32, 64, 32, 3, 2), gp.PipelinedTile(64, 64, 32, 32, 32, 4),
+                        gp.PipelinedTile(128, 64, 32, 64, 32, 4), gp.PipelinedTile(128, 128, 64, 64, 32, 3)])
+
+
+def run_pipelined(x, w, tile=None, bf16_inputs=False, stream=0):
+    out = stale_out(x.shape[0], w.shape[0])
+    workspace = device_empty(gp.workspace_size(*x.shape, bf16_inputs), np.uint16)
+    gp.gemm_pipelined(to_device(x), to_device(w), out, workspace, stream, tile=tile, bf16_inputs=bf16_inputs)
+    return out
+
+
+@pytest.mark.parametrize("tile", PIPELINED_TILES, ids=lambda t: "x".join(map(str, t)))
+@settings(max_examples=pick(3, 8))
+@given(seeds, sizes(40, [64, 256, 1024], 1100), weight_shapes(40, 72), x_scales, w_scales, st.booleans())
+def test_gemm_pipelined(tile, seed, m, nk, x_scale, w_scale, bf16_inputs):
+    """Each tile, both precisions: partial block tiles along M and N, K (a multiple of 8) short of a slab,
+    one slab, fewer slabs than stages, or many."""
+    n, k = nk
+    k = 8 * -(-k // 8)
+    m = cap_m(m, n, k)
+    x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
+    check(run_pipelined(x, w, tile, bf16_inputs), x, w, bf16_inputs)
+
+
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+def test_gemm_pipelined_keeps_infinity_and_confines_nan(bf16_inputs):
+    """An infinite x stays in its row (all of it in the hi plane); a NaN weight spoils only its column."""
+    x, w = make_inputs(1, 5, 9, 48)
+    x[1, 7], x[2, 3] = np.inf, -np.inf
+    w[4, 10] = f32_to_bf16(np.array([np.nan], np.float32))[0]
+    got = run_pipelined(x, w, bf16_inputs=bf16_inputs).copy_to_host()
+    want = reference_matmul(round_to_bf16(x) if bf16_inputs else x, w)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[1:3], want[1:3])
+    keep = [c for c in range(9) if c != 4]
+    check(got[np.ix_([0, 3, 4], keep)], x[[0, 3, 4]], w[keep], bf16_inputs)
+
+
+def test_gemm_pipelined_rejects_bad_arguments():
+    x, w, out = _args(m=4, n=6, k=16)
+    workspace = device_empty(gp.workspace_size(4, 16, False), np.uint16)
+    with pytest.raises(ValueError, match=r"K must be a multiple of 8 \(16-byte rows\), got 12"):
+        gp.gemm_pipelined(*_args(m=4, n=6, k=12), workspace)
+    with pytest.raises(ValueError, match=r"planes must be a 1-D uint16 workspace of at least 192 elements, got "
+                                         r"uint16 \(191,\)"):
+        gp.gemm_pipelined(x, w, out, device_empty(191, np.uint16))
+    with pytest.raises(ValueError, match=r"weight must be C-contiguous uint16 \(6, 16\), got float32"):
+        gp.gemm_pipelined(x, device_empty((6, 16), np.float32), out, workspace)
+    with pytest.raises(ValueError, match=r"out must be float32 \(4, 6\), got float32 \(4, 5\)"):
+        gp.gemm_pipelined(x, w, device_empty((4, 5), np.float32), workspace)
+    with pytest.raises(ValueError, match=r"tile \(16, 16, 24, 16, 16, 2, 0\): need bk, wm, wn multiples of 16"):
+        gp.gemm_pipelined(x, w, out, workspace, tile=gp.PipelinedTile(16, 16, 24, 16, 16, 2))
+    with pytest.raises(ValueError, match=r"stages >= 2"):
+        gp.gemm_pipelined(x, w, out, workspace, tile=gp.PipelinedTile(16, 16, 16, 16, 16, 1))
+
+
+def test_gemm_pipelined_shared_memory():
+    """Stages of P * BM rows of planes and BN rows of W, each BK + 8 bf16 (the padding that keeps ldmatrix
+    conflict-free): the default tile needs the dynamic opt-in above 48 KB in both modes."""
+    tile = gp.PipelinedTile()
+    assert gp.shared_bytes(tile, True) == 4 * (128 + 128) * 40 * 2 == 81920
+    assert gp.shared_bytes(tile, False) == 4 * (3 * 128 + 128) * 40 * 2
+    assert gp.shared_bytes(tile, True) > gp.STATIC_SHARED_LIMIT

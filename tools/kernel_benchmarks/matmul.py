@@ -15,6 +15,10 @@ Inputs are random (NumPy, fixed seed) and live on the device; every launch write
 tools/bench_kernels.py rates TFLOP/s against the fp32 FMA peak; for the tensor-core cases run this module,
 
     python -m tools.kernel_benchmarks.matmul [--sweep] [--m 16 32 ...] [--weights qkv down ...]
+    python -m tools.kernel_benchmarks.matmul --pipelined [--m 64 256 1024]
+
+(--pipelined: gemm_pipelined, the cp.async + ldmatrix kernel, in each of its candidate tiles, next to
+gemm_tc's policy tile)
 
 which times the gemm_tc cases alone and also gives GB/s of weight read and the fraction of the measured
 mma.sync peak (359 TFLOP/s, GPU.md) that the mma work reaches (3x the useful flops in fp32 mode).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim before numba.cuda, for `python -m` runs)
+from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import matmul as mm
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
@@ -165,6 +170,46 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
     return out
 
 
+MAX_SHARED = 227 * 1024   # the H200's opt-in shared memory per block
+
+
+def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDATES) -> list[Case]:
+    """gemm_pipelined (the planes kernel included, as the engine runs it) in every tile of `tiles` that fits,
+    next to gemm_tc's policy tile, both modes, at each M; the LM head only up to M = 256 (the engine computes
+    logits for sampled rows only)."""
+    rng = np.random.default_rng(2)
+    out, xs = [], {}
+    for wname, n, k in WEIGHTS:
+        if weights and wname not in weights:
+            continue
+        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
+        dw = cuda.to_device(w)
+        for m in ms:
+            if wname == "lm_head" and m > 256:
+                continue
+            if (m, k) not in xs:
+                x = rng.standard_normal((m, k), dtype=np.float32)
+                xs[m, k] = (x, cuda.to_device(x), cuda.device_array(gp.workspace_size(m, k, False), np.uint16))
+            x, dx, workspace = xs[m, k]
+            for bf16 in (False, True):
+                mode = "bf16" if bf16 else "fp32"
+                chosen = mm.gemm_tc_tile(m, n, k, bf16)
+                out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", mm.gemm_tc, x, w, dx, dw, None,
+                                 tile=chosen, bf16_inputs=bf16))
+                policy = gp.pipelined_tile(m, n, k, bf16)
+                for tile in (policy, *(t for t in tiles if t != policy)):
+                    if gp.shared_bytes(tile, bf16) > MAX_SHARED:
+                        continue
+
+                    def gemm_pipelined(x_, w_, out_, stream, tile=tile, bf16_inputs=bf16):
+                        gp.gemm_pipelined(x_, w_, out_, workspace, stream, tile=tile, bf16_inputs=bf16_inputs)
+
+                    label = "tile" if tile == policy else "variant: tile"
+                    out.append(_case(f"{wname} {mode} ({label} {_tile_label(tile)})", gemm_pipelined, x, w, dx, dw,
+                                     None, bf16_inputs=bf16))
+    return out
+
+
 # gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split); the first version's
 # (4, 2, 1, 1), the policy's two at M = 1, the earlier policy's (8, 4, 2, 4) and (4, 4, 2, 2), and neighbours
 GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GemvConfig(8, 4, 2, 4)] + [
@@ -226,6 +271,8 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="instead: decode matmuls (M <= 8, and 16) with cold weights, every GEMV_CANDIDATES "
                              "config and gemm_tc's tile")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="instead: gemm_pipelined in each candidate tile next to gemm_tc (M from 64)")
     args = parser.parse_args()
     if args.gemv:
         print("| case | time (us) | GB/s (W + x + out) |")
@@ -239,7 +286,9 @@ def main() -> None:
         return
     print("| case | time (us) | TFLOP/s (2MNK/t) | GB/s (W + x + out) | % of mma peak (359), mma work |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for case in cases(tensor_core_only=True, sweep=args.sweep, ms=args.m, weights=args.weights):
+    chosen = (pipelined_cases([m for m in args.m if m >= 64], args.weights) if args.pipelined else
+              cases(tensor_core_only=True, sweep=args.sweep, ms=args.m, weights=args.weights))
+    for case in chosen:
         seconds = checked_time(case)
         if isinstance(seconds, str):
             print(f"| {case.name} | {seconds} | | | |", flush=True)

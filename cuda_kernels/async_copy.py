@@ -1,0 +1,234 @@
+"""Shared-memory staging primitives for a multi-stage tensor-core GEMM: cp.async and ldmatrix (sm_80 and later).
+
+``cp_async_16(dst, d, src, s, valid)``: one thread copies 16 bytes (8 bf16) from global memory,
+src[s : s + 8], into shared memory, dst[d : d + 8], without passing through registers; with valid False
+it writes 16 zero bytes and reads nothing. The copy is asynchronous: a thread groups the copies it has
+issued with ``cp_async_commit()``, and ``cp_async_wait(n)`` (a device function per n) returns once at most
+n of its groups are still in flight. Only the thread's own copies are waited for, so a block barrier must
+follow before other threads read what landed. Both indices must be multiples of 8 (16-byte alignment).
+
+``ldmatrix_x4(sh, i)``: the 32 lanes of a warp load four 8 x 8 matrices of bf16 from shared memory in one
+instruction. Lanes 8 q .. 8 q + 7 each give the index of one row of matrix q (8 consecutive bf16, 16
+bytes); lane (g, t) = (lane // 4, lane % 4) gets register q = row g, elements 2t and 2t + 1 of matrix q (the
+smaller index in the low 16 bits). That is exactly the per-lane layout of an mma.m16n8k16 fragment
+(cuda_kernels/mma.py): four matrices give a whole A fragment (16 x 16), or the B fragments of two n8 tiles.
+
+Two implementations, chosen at import time:
+- GPU: Numba ``@intrinsic`` functions emitting the PTX (``cp.async.cg.shared.global``, ``cp.async.commit_group``,
+  ``cp.async.wait_group``, ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``) as volatile inline assembly with
+  a memory clobber, so that the compiler neither merges them nor moves shared-memory accesses across them.
+  A shared-memory operand is the 32-bit shared-window address of the array element: the array's generic
+  data pointer, address-space-cast to shared.
+- Numba's CUDA simulator, where ``@intrinsic`` raises: the copy is done at once (commit and wait are then
+  no-ops), and ldmatrix is emulated with the same per-lane semantics: every lane writes its row index to a
+  per-warp shared scratch, the block synchronises, every lane gathers its four registers from the rows the
+  other lanes named, and the block synchronises again before the scratch can be reused.
+Rules for callers of ldmatrix_x4: all 32 lanes of every warp of the block call it, the same number of times
+(the instruction is warp-wide; the emulation synchronises the block), and blocks are at most 1024 threads.
+"""
+
+from functools import lru_cache
+
+from numba import cuda, int64, uint16, uint32
+
+from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.primitives import WARP
+
+CHUNK = 8   # bf16 per cp.async (16 bytes) and per ldmatrix row
+
+if SIMULATOR:
+    _MAX_WARPS = 32   # 1024 threads
+
+    @cuda.jit(device=True)
+    def cp_async_16(dst, d, src, s, valid):
+        """dst[d : d + 8] = src[s : s + 8] if valid else zeros (done at once in the simulator)."""
+        for j in range(CHUNK):
+            dst[d + j] = src[s + j] if valid else uint16(0)
+
+    @cuda.jit(device=True)
+    def cp_async_commit():
+        """No-op in the simulator: its copies are already done."""
+
+    @lru_cache(maxsize=None)
+    def cp_async_wait(n: int):
+        @cuda.jit(device=True)
+        def wait():
+            """No-op in the simulator."""
+
+        return wait
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4(sh, i):
+        """(r0, r1, r2, r3) for this lane: r_q = row lane // 4 of matrix q, elements 2 (lane % 4) and + 1,
+        where lane 8 q + r gave the index of that matrix's row r (see the module docstring)."""
+        rows = cuda.shared.array((_MAX_WARPS, WARP), int64)
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        warp, lane = tid // WARP, tid % WARP
+        rows[warp, lane] = i
+        cuda.syncthreads()
+        g, c = lane // 4, 2 * (lane % 4)
+        regs = cuda.local.array(4, uint32)
+        for q in range(4):
+            a = rows[warp, 8 * q + g] + c
+            regs[q] = uint32(sh[a]) | (uint32(sh[a + 1]) << uint32(16))
+        cuda.syncthreads()  # every lane has read the scratch: the next call may overwrite it
+        return regs[0], regs[1], regs[2], regs[3]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+    def _element_pointer(context, builder, arrty, arr, index):
+        """The generic pointer to arr[index] (a C-contiguous 1-D array)."""
+        data = context.make_array(arrty)(context, builder, arr).data
+        return builder.gep(data, [index])
+
+    def _shared_address(builder, pointer):
+        """A generic pointer into shared memory -> its 32-bit address in the shared window."""
+        pointee = getattr(pointer.type, "pointee", None)
+        shared_type = ir.PointerType(pointee, 3) if pointee is not None else ir.PointerType(addrspace=3)
+        shared = builder.addrspacecast(pointer, shared_type)
+        return builder.trunc(builder.ptrtoint(shared, _I64), _I32)
+
+    def _volatile(fnty, asm, constraints):
+        # NOTE: side_effect (volatile) and the memory clobber keep the copies, waits and shared loads in
+        # program order with the block barriers and with each other.
+        return ir.InlineAsm(fnty, asm, constraints + ",~{memory}" if constraints else "~{memory}",
+                            side_effect=True)
+
+    @intrinsic
+    def _cp_async_asm(typingctx, dst, d, src, s, nbytes):
+        sig = types.void(dst, types.int64, src, types.int64, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            dst_ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+            src_ptr = _element_pointer(context, builder, signature.args[2], args[2], args[3])
+            asm = _volatile(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32]),
+                            "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
+            builder.call(asm, [_shared_address(builder, dst_ptr), builder.ptrtoint(src_ptr, _I64), args[4]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def cp_async_16(dst, d, src, s, valid):
+        """dst[d : d + 8] = src[s : s + 8] if valid else zeros, asynchronously (see the module docstring)."""
+        # with a source size of 0 bytes the instruction reads nothing and fills the 16 bytes with zeros
+        _cp_async_asm(dst, int64(d), src, int64(s), uint32(16) if valid else uint32(0))
+
+    @intrinsic
+    def _commit_asm(typingctx):
+        def codegen(context, builder, signature, args):
+            builder.call(_volatile(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", ""), [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def cp_async_commit():
+        """Close this thread's current group of cp.async copies."""
+        _commit_asm()
+
+    @lru_cache(maxsize=None)
+    def cp_async_wait(n: int):
+        """A device function that waits until at most n of this thread's cp.async groups are in flight."""
+        if n < 0:
+            raise ValueError(f"cp_async_wait: n must be >= 0, got {n}")
+
+        @intrinsic
+        def wait_asm(typingctx):
+            def codegen(context, builder, signature, args):
+                asm = _volatile(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {n};", "")
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        @cuda.jit(device=True, inline=True)
+        def wait():
+            wait_asm()
+
+        return wait
+
+    @intrinsic
+    def _ldmatrix_asm(typingctx, sh, i):
+        sig = types.UniTuple(types.uint32, 4)(sh, types.int64)
+
+        def codegen(context, builder, signature, args):
+            address = _shared_address(builder, _element_pointer(context, builder, signature.args[0], *args))
+            asm = _volatile(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
+                            "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r")
+            regs = builder.call(asm, [address])
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(regs, q) for q in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def ldmatrix_x4(sh, i):
+        """(r0, r1, r2, r3) for this lane (see the module docstring); i: this lane's row index in sh."""
+        return _ldmatrix_asm(sh, int64(i))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels: the two primitives alone, for the tests
+
+_wait_all = cp_async_wait(0)
+
+
+@cuda.jit
+def _copy_rows_kernel(src, valid, dst):
+    """Thread i copies chunk i of src (8 bf16) into shared memory, asynchronously (zeros where valid[i] is
+    0), and after the wait and a barrier writes back the chunk of its neighbour i ^ 1, so a missing wait or
+    a wrong address shows."""
+    sh = cuda.shared.array(256 * CHUNK, uint16)
+    i = cuda.threadIdx.x
+    cp_async_16(sh, CHUNK * i, src, CHUNK * i, valid[i] != 0)
+    cp_async_commit()
+    _wait_all()
+    cuda.syncthreads()
+    j = i ^ 1
+    for e in range(CHUNK):
+        dst[CHUNK * i + e] = sh[CHUNK * j + e]
+
+
+@cuda.jit
+def _ldmatrix_kernel(sh_init, rows, out):
+    """One warp: shared memory <- sh_init; lane l loads with row index rows[l]; out[l, q] = its register q."""
+    sh = cuda.shared.array(1024, uint16)
+    lane = cuda.threadIdx.x
+    for e in range(lane, sh_init.size, WARP):
+        sh[e] = sh_init[e]
+    cuda.syncthreads()
+    r0, r1, r2, r3 = ldmatrix_x4(sh, rows[lane])
+    out[lane, 0] = r0
+    out[lane, 1] = r1
+    out[lane, 2] = r2
+    out[lane, 3] = r3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def copy_chunks(src, valid, dst, stream=0):
+    """dst chunk i (8 bf16) <- src chunk i ^ 1, or zeros where valid[i ^ 1] == 0, through cp.async and shared
+    memory. src, dst: (2 n * 8,) uint16 device arrays with 2 n <= 256 chunks; valid: (2 n,) int32."""
+    n = valid.shape[0]
+    if n % 2 or n > 256 or src.shape != (n * CHUNK,) or dst.shape != (n * CHUNK,):
+        raise ValueError(f"copy_chunks: need an even number of chunks up to 256 and src, dst of {n} x {CHUNK} "
+                         f"uint16, got valid {valid.shape}, src {src.shape}, dst {dst.shape}")
+    _copy_rows_kernel[1, n, stream](src, valid, dst)
+
+
+def ldmatrix(sh_init, rows, out, stream=0):
+    """One warp's ldmatrix_x4 over shared memory initialised from sh_init ((<= 1024,) uint16): lane l gives
+    row index rows[l] ((32,) int64, multiples of 8), out ((32, 4) uint32) gets every lane's registers."""
+    if sh_init.shape[0] > 1024 or rows.shape != (WARP,) or out.shape != (WARP, 4):
+        raise ValueError(f"ldmatrix: need sh_init of at most 1024 uint16, rows (32,) and out (32, 4), got "
+                         f"{sh_init.shape}, {rows.shape}, {out.shape}")
+    _ldmatrix_kernel[1, WARP, stream](sh_init, rows, out)

@@ -1,0 +1,327 @@
+"""The pipelined tensor-core GEMM of the matmul family: ``out = x @ W^T`` with x as bf16 planes, the K slabs
+streamed into shared memory by cp.async several stages ahead, fragments loaded by ldmatrix.
+
+    out[m, n] = sum_p sum_k planes[p, m, k] * W[n, k]        (bf16 x bf16 products, exact in fp32)
+
+x (M, K) float32 is first cut into P bf16 planes (``bf16_planes``): with bf16_inputs one plane, x rounded to
+the nearest bf16 (ties to even); otherwise three, the bf16x3 split x = hi + mid + lo exactly (see
+cuda_kernels/mma.py, split_bf16x3, and matmul.py's docstring). So the math is matmul.gemm_tc's and the twin
+is reference.matmul.matmul (and reference.matmul.bf16_planes for the planes). W (N, K) uint16 bf16 in
+nn.Linear layout; out (M, N) float32. Needs K % 8 == 0 (16-byte rows for cp.async).
+
+Why a second tensor-core GEMM: matmul.gemm_tc stages a slab through registers (global -> registers ->
+convert -> shared), so a block has one slab in flight and its warps wait on each slab's DRAM/L2 latency
+(measured at 36-60% of the mma rate, BENCHMARKS.md). Here the conversion is done once per x element by
+bf16_planes, both operands are bf16 in memory, and a slab goes from global to shared memory by cp.async
+without registers, STAGES - 1 slabs ahead of the one the warps multiply.
+
+Thread mapping (``gemm_pipelined``): grid = (ceil(M / BM), ceil(N / BN)), x fastest, so the blocks in flight
+share W's column block (read once from DRAM) while x (a few MB) stays in L2. block = 32 * (BM / WM) *
+(BN / WN) threads; warp w owns the WM x WN warp tile at rows (w // (BN/WN)) * WM, columns (w % (BN/WN)) * WN
+of the block tile: (WM/16) x (WN/8) mma tiles, lane (g, t) = (lane // 4, lane % 4) accumulating rows g,
+g + 8 and columns 2t, 2t + 1 of each (mma.py's layout). Per K slab (BK wide), the block's shared stage
+holds P * BM rows of x planes then BN rows of W, each row BK bf16 plus 8 of padding; thread i copies the
+16-byte chunks i, i + threads, ... of the stage. Per mma k-step, a warp takes each A fragment (16 x 16)
+with one ldmatrix.x4 (lane l names row l % 16 at k offset 8 (l // 16)), and the B fragments of two n8 tiles
+with one more (lane l names W row (l % 8) + 8 (l // 16) at k offset 8 ((l // 8) % 2)).
+
+Pipeline (STAGES buffers, a cp.async group per slab): the prologue issues slabs 0 .. STAGES - 2. Iteration
+kt waits until slab kt has landed (cp.async.wait_group STAGES - 2, then a block barrier, which also means
+every warp is done with slab kt - 1), issues slab kt + STAGES - 1 into the buffer slab kt - 1 used, and
+multiplies slab kt. One barrier per slab.
+
+Tails: rows >= M or N and k >= K are copied as zeros (cp.async with a source size of 0); outputs are stored
+inside (M, N) only.
+
+Shared memory: STAGES * (P * BM + BN) * (BK + 8) * 2 bytes, dynamic, opted in above 48 KB per kernel
+(``_allow_shared``). NOTE: the 8 bf16 of padding make a row 16 bytes longer than BK, so the 8 rows one
+ldmatrix matrix reads fall in 8 different 16-byte bank groups (row stride 80 or 144 bytes): conflict-free.
+
+Versions (continuing matmul.py's list): 6. this kernel, for prefill and large batches on the GPU (matmul
+sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from numba import cuda, float32, int64, uint16, uint32
+
+from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4
+from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
+from cuda_kernels.primitives import WARP, f32_to_bf16
+
+
+class PipelinedTile(NamedTuple):
+    """Block tile BM x BN, K slab BK, warp tile WM x WN, STAGES shared buffers, and the blocks per SM the
+    registers must allow (ptxas launch bounds; 0: ptxas decides)."""
+    bm: int = 128
+    bn: int = 128
+    bk: int = 32
+    wm: int = 64
+    wn: int = 32
+    stages: int = 4
+    min_blocks: int = 0
+
+
+# The policy's tiles (pipelined_tile), per mode: bf16 inputs stage one plane of x, fp32 mode three.
+TILE_BF16 = PipelinedTile(128, 128, 32, 64, 32, 4)
+TILE_FP32 = PipelinedTile(128, 128, 32, 64, 32, 3, 2)
+# Tiles worth timing against them (tools/kernel_benchmarks/matmul.py --pipelined)
+CANDIDATES = (PipelinedTile(128, 128, 32, 64, 32, 4), PipelinedTile(128, 128, 32, 64, 32, 3),
+              PipelinedTile(128, 128, 32, 64, 32, 3, 2), PipelinedTile(128, 128, 64, 64, 32, 3),
+              PipelinedTile(64, 64, 32, 32, 32, 4), PipelinedTile(128, 64, 32, 64, 32, 4),
+              PipelinedTile(64, 128, 32, 32, 32, 4), PipelinedTile(128, 256, 32, 64, 64, 3))
+STATIC_SHARED_LIMIT = 48 * 1024   # dynamic shared memory above this needs the per-kernel opt-in
+# The simulator's tile: 2 warps of 16 x 16, two k-steps a slab, three stages (every code path, 64 threads).
+SIM_TILE = PipelinedTile(16, 32, 32, 16, 16, 3)
+
+
+def pieces(bf16_inputs: bool) -> int:
+    """bf16 planes of x: 1 (x rounded) with bf16_inputs, else 3 (the bf16x3 split)."""
+    return 1 if bf16_inputs else 3
+
+
+def shared_bytes(tile: PipelinedTile, bf16_inputs: bool) -> int:
+    """Dynamic shared memory of a block: STAGES stages of P * BM rows of x planes and BN rows of W."""
+    return tile.stages * (pieces(bf16_inputs) * tile.bm + tile.bn) * (tile.bk + CHUNK) * 2
+
+
+def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
+    """The tile matmul uses for x (m, k) @ W (n, k)^T (a pure function of the shape and mode)."""
+    return TILE_BF16 if bf16_inputs else TILE_FP32
+
+
+def workspace_size(m: int, k: int, bf16_inputs: bool) -> int:
+    """uint16 elements of the planes workspace for x (m, k)."""
+    return pieces(bf16_inputs) * m * k
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _planes_kernel(bf16_inputs: bool):
+    @cuda.jit
+    def bf16_planes_kernel(x, planes):
+        """x (M * K,) f32 flat; planes (>= P * M * K,) u16: planes[p * M * K + i] = piece p of x[i].
+        One thread per element, grid-stride."""
+        size = x.shape[0]
+        start, step = cuda.grid(1), cuda.gridsize(1)
+        for i in range(start, size, step):
+            if bf16_inputs:
+                planes[i] = f32_to_bf16(x[i])
+            else:
+                hi, mid, lo = split_bf16x3(x[i])
+                planes[i] = uint16(hi)
+                planes[size + i] = uint16(mid)
+                planes[2 * size + i] = uint16(lo)
+
+    return bf16_planes_kernel
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_blocks: int, planes_per_x: int):
+    """The kernel for one tile and number of x planes (see the module docstring for the mapping)."""
+    tile = PipelinedTile(bm, bn, bk, wm, wn, stages, min_blocks)
+    if bk % 16 or wm % 16 or wn % 16 or bm % wm or bn % wn or stages < 2 or min_blocks < 0:
+        raise ValueError(f"gemm_pipelined tile {tuple(tile)}: need bk, wm, wn multiples of 16, bm % wm == bn % wn "
+                         f"== 0, stages >= 2 and min_blocks >= 0")
+    P = planes_per_x
+    WARPS_N = bn // wn
+    THREADS = WARP * (bm // wm) * WARPS_N
+    if THREADS > 1024:
+        raise ValueError(f"gemm_pipelined tile {tuple(tile)} gives {THREADS} threads per block (max 1024)")
+    LD = bk + CHUNK               # shared row stride in bf16 (16 bytes of padding, see the docstring)
+    CH = bk // CHUNK              # 16-byte chunks per slab row
+    A_ROWS = P * bm               # x plane rows of a stage (plane p's rows at p * bm)
+    A_CHUNKS, B_CHUNKS = A_ROWS * CH, bn * CH
+    A_PER, B_PER = _cdiv(A_CHUNKS, THREADS), _cdiv(B_CHUNKS, THREADS)
+    B_OFF = A_ROWS * LD           # where W's rows start in a stage
+    STAGE = (A_ROWS + bn) * LD    # bf16 per stage
+    MI, NJ, S = wm // 16, wn // 8, bk // 16
+    wait_for_slab = cp_async_wait(stages - 2)
+    options = {"launch_bounds": (THREADS, min_blocks)} if min_blocks and not SIMULATOR else {}
+
+    @cuda.jit(device=True)
+    def staging_map(out, K, amap, bmap):
+        """This thread's chunks: map[e] = (offset in a stage, flat global offset at k = 0 or -1 for a row
+        past M or N, the chunk's k within the slab); offset -1 for no chunk e."""
+        M, N = out.shape[0], out.shape[1]
+        m0, n0 = cuda.blockIdx.x * bm, cuda.blockIdx.y * bn
+        for e in range(A_PER):
+            c = cuda.threadIdx.x + THREADS * e
+            r, q = c // CH, c % CH
+            p, m = r // bm, m0 + r % bm
+            amap[e, 0] = r * LD + CHUNK * q if c < A_CHUNKS else -1
+            amap[e, 1] = (p * M + m) * K + CHUNK * q if c < A_CHUNKS and m < M else -1
+            amap[e, 2] = CHUNK * q
+        for e in range(B_PER):
+            c = cuda.threadIdx.x + THREADS * e
+            r, q = c // CH, c % CH
+            bmap[e, 0] = B_OFF + r * LD + CHUNK * q if c < B_CHUNKS else -1
+            bmap[e, 1] = (n0 + r) * K + CHUNK * q if c < B_CHUNKS and n0 + r < N else -1
+            bmap[e, 2] = CHUNK * q
+
+    @cuda.jit(device=True)
+    def issue_slab(planes, w, sh, stage, k0, K, amap, bmap):
+        """cp.async this thread's chunks of the slab at k0 into stage `stage` (interior slabs skip k checks)."""
+        base = stage * STAGE
+        whole = k0 + bk <= K
+        for e in range(A_PER):
+            d = amap[e, 0]
+            if d >= 0:
+                src = amap[e, 1]
+                valid = src >= 0 and (whole or k0 + amap[e, 2] < K)
+                cp_async_16(sh, base + d, planes, src + k0 if valid else 0, valid)
+        for e in range(B_PER):
+            d = bmap[e, 0]
+            if d >= 0:
+                src = bmap[e, 1]
+                valid = src >= 0 and (whole or k0 + bmap[e, 2] < K)
+                cp_async_16(sh, base + d, w, src + k0 if valid else 0, valid)
+
+    @cuda.jit(**options)
+    def gemm_pipelined_kernel(planes, w, out, K):
+        """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, N) f32; K the shared dimension."""
+        sh = cuda.shared.array(0, uint16)
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        wm0 = (warp // WARPS_N) * wm
+        wn0 = (warp % WARPS_N) * wn
+        amap = cuda.local.array((A_PER, 3), int64)
+        bmap = cuda.local.array((B_PER, 3), int64)
+        staging_map(out, K, amap, bmap)
+        acc = cuda.local.array((MI, NJ, 4), float32)
+        bf = cuda.local.array((NJ, 2), uint32)
+        for i in range(MI):
+            for j in range(NJ):
+                for c in range(4):
+                    acc[i, j, c] = float32(0)
+        # this lane's ldmatrix rows (module docstring): A row l % 16 at k + 8 (l // 16); B row (l % 8) +
+        # 8 (l // 16) at k + 8 ((l // 8) % 2)
+        a_lane = (lane % 16) * LD + 8 * (lane // 16)
+        b_lane = (lane % 8 + 8 * (lane // 16)) * LD + 8 * ((lane // 8) % 2)
+
+        slabs = (K + bk - 1) // bk
+        for s in range(stages - 1):
+            if s < slabs:
+                issue_slab(planes, w, sh, s, s * bk, K, amap, bmap)
+            cp_async_commit()
+        for kt in range(slabs):
+            wait_for_slab()
+            cuda.syncthreads()   # slab kt is in shared memory for every thread; slab kt - 1 is free
+            nxt = kt + stages - 1
+            if nxt < slabs:
+                issue_slab(planes, w, sh, nxt % stages, nxt * bk, K, amap, bmap)
+            cp_async_commit()    # (an empty group past the end keeps the count that wait_for_slab expects)
+            base = (kt % stages) * STAGE
+            for s in range(S):
+                for jj in range(NJ // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(sh, base + B_OFF + (wn0 + 16 * jj) * LD + 16 * s + b_lane)
+                    bf[2 * jj, 0], bf[2 * jj, 1] = b0, b1
+                    bf[2 * jj + 1, 0], bf[2 * jj + 1, 1] = b2, b3
+                for p in range(P):
+                    for i in range(MI):
+                        a0, a1, a2, a3 = ldmatrix_x4(sh, base + (p * bm + wm0 + 16 * i) * LD + 16 * s + a_lane)
+                        for j in range(NJ):
+                            acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_m16n8k16(
+                                a0, a1, a2, a3, bf[j, 0], bf[j, 1],
+                                acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+
+        m_base = cuda.blockIdx.x * bm + wm0 + lane // 4
+        n_base = cuda.blockIdx.y * bn + wn0 + 2 * (lane % 4)
+        for i in range(MI):
+            for j in range(NJ):
+                for c in range(4):
+                    m = m_base + 16 * i + 8 * (c // 2)
+                    n = n_base + 8 * j + c % 2
+                    if m < out.shape[0] and n < out.shape[1]:
+                        out[m, n] = acc[i, j, c]
+
+    gemm_pipelined_kernel.threads = THREADS
+    return gemm_pipelined_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------
+
+_opted_in: dict = {}
+
+
+def _allow_shared(kernel, args, nbytes: int) -> None:
+    """Raise the kernel's dynamic shared memory limit to nbytes (needed above 48 KB, GPU.md), once per
+    compiled kernel and size. Compiles the kernel for these arguments if it is not yet."""
+    if SIMULATOR or nbytes <= STATIC_SHARED_LIMIT:
+        return
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    device = cuda.get_current_device().id
+    key = (id(compiled), device)
+    if _opted_in.get(key, 0) >= nbytes:
+        return
+    from cuda.bindings import driver as drv
+
+    attribute = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    handle = compiled._codelibrary.get_cufunc().handle
+    if isinstance(handle, drv.CUkernel):
+        result = drv.cuKernelSetAttribute(attribute, nbytes, handle, drv.CUdevice(device))
+    else:
+        result = drv.cuFuncSetAttribute(handle, attribute, nbytes)
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"gemm_pipelined: could not allow {nbytes} bytes of dynamic shared memory: {err}")
+    _opted_in[key] = nbytes
+
+
+def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
+    """planes[p * M * K + i] <- bf16 piece p of x.flat[i]: x rounded to nearest even (bf16_inputs), or the
+    hi, mid and lo pieces of the bf16x3 split. x (M, K) float32, C-contiguous; planes (>= P M K,) uint16.
+    Twin: reference.matmul.bf16_planes."""
+    size = x.shape[0] * x.shape[1]
+    need = pieces(bf16_inputs) * size
+    if x.dtype != np.float32 or not x.is_c_contiguous():
+        raise ValueError(f"bf16_planes: x must be C-contiguous float32, got {x.dtype} with strides {x.strides}")
+    if planes.dtype != np.uint16 or len(planes.shape) != 1 or planes.shape[0] < need:
+        raise ValueError(f"bf16_planes: planes must be a 1-D uint16 workspace of at least {need} elements, got "
+                         f"{planes.dtype} {tuple(planes.shape)}")
+    if size == 0:
+        return
+    threads = 256
+    blocks = min(_cdiv(size, threads), 64 * 132)
+    _planes_kernel(bool(bf16_inputs))[blocks, threads, stream](x.reshape(size), planes)
+
+
+def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | None = None,
+                   bf16_inputs: bool = False):
+    """out = x @ W^T: bf16_planes(x) into workspace, then the pipelined kernel. x (M, K) float32 and weight
+    (N, K) uint16 C-contiguous with K % 8 == 0; out (M, N) float32; workspace (>= workspace_size(M, K),)
+    uint16. tile: by default SIM_TILE in the simulator, else PipelinedTile()."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.dtype != np.uint16 or tuple(weight.shape) != (N, K) or not weight.is_c_contiguous():
+        raise ValueError(f"gemm_pipelined: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if K % CHUNK:
+        raise ValueError(f"gemm_pipelined: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
+    if out.dtype != np.float32 or tuple(out.shape) != (M, N):
+        raise ValueError(f"gemm_pipelined: out must be float32 ({M}, {N}), got {out.dtype} {tuple(out.shape)}")
+    bf16_planes(x, workspace, stream, bf16_inputs)
+    if M == 0 or N == 0:
+        return
+    tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
+    kernel = _gemm_kernel(*tile, pieces(bf16_inputs))
+    nbytes = shared_bytes(tile, bf16_inputs)
+    args = (workspace, weight.reshape(N * K), out, np.int64(K))
+    _allow_shared(kernel, args, nbytes)
+    kernel[(_cdiv(M, tile.bm), _cdiv(N, tile.bn)), kernel.threads, stream, nbytes](*args)
