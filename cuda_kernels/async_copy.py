@@ -180,12 +180,15 @@ else:
 _wait_all = cp_async_wait(0)
 
 
+_COPY_TEST_ELEMENTS = 256 * CHUNK   # NOTE: a named constant: cuda.shared.array takes no expression on the GPU
+
+
 @cuda.jit
 def _copy_rows_kernel(src, valid, dst):
     """Thread i copies chunk i of src (8 bf16) into shared memory, asynchronously (zeros where valid[i] is
     0), and after the wait and a barrier writes back the chunk of its neighbour i ^ 1, so a missing wait or
     a wrong address shows."""
-    sh = cuda.shared.array(256 * CHUNK, uint16)
+    sh = cuda.shared.array(_COPY_TEST_ELEMENTS, uint16)
     i = cuda.threadIdx.x
     cp_async_16(sh, CHUNK * i, src, CHUNK * i, valid[i] != 0)
     cp_async_commit()
