@@ -201,7 +201,8 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDA
                     if gp.shared_bytes(tile, bf16) > MAX_SHARED:
                         continue
 
-                    def gemm_pipelined(x_, w_, out_, stream, tile=tile, bf16_inputs=bf16):
+                    # NOTE: workspace bound now: the cases run after the loop has moved on to other shapes
+                    def gemm_pipelined(x_, w_, out_, stream, tile=tile, bf16_inputs=bf16, workspace=workspace):
                         gp.gemm_pipelined(x_, w_, out_, workspace, stream, tile=tile, bf16_inputs=bf16_inputs)
 
                     label = "tile" if tile == policy else "variant: tile"
