@@ -69,9 +69,13 @@ class PipelinedTile(NamedTuple):
     min_blocks: int = 0
 
 
-# The policy's tiles (pipelined_tile), per mode: bf16 inputs stage one plane of x, fp32 mode three.
-TILE_BF16 = PipelinedTile(128, 128, 32, 64, 32, 4)
-TILE_FP32 = PipelinedTile(128, 128, 32, 64, 32, 3, 2)
+# The policy's tiles (pipelined_tile; measured on the H200, BENCHMARKS.md): a wide tile per mode where the
+# grid still has about a block per SM, else 64 rows (and, with bf16 inputs and a small grid, 64 x 64).
+WIDE_FP32 = PipelinedTile(128, 256, 32, 64, 64, 3)
+WIDE_BF16 = PipelinedTile(128, 128, 32, 64, 32, 3)
+NARROW = PipelinedTile(64, 128, 32, 32, 32, 4)
+SMALL = PipelinedTile(64, 64, 32, 32, 32, 4)
+MIN_BLOCKS = 120   # of the H200's 132 SMs: fewer blocks than this leave too many idle
 # Tiles worth timing against them (tools/kernel_benchmarks/matmul.py --pipelined)
 CANDIDATES = (PipelinedTile(128, 128, 32, 64, 32, 4), PipelinedTile(128, 128, 32, 64, 32, 3),
               PipelinedTile(128, 128, 32, 64, 32, 3, 2), PipelinedTile(128, 128, 64, 64, 32, 3),
@@ -93,8 +97,23 @@ def shared_bytes(tile: PipelinedTile, bf16_inputs: bool) -> int:
 
 
 def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
-    """The tile matmul uses for x (m, k) @ W (n, k)^T (a pure function of the shape and mode)."""
-    return TILE_BF16 if bf16_inputs else TILE_FP32
+    """The tile matmul uses for x (m, k) @ W (n, k)^T (a pure function of the shape and mode).
+
+    NOTE: measured on the H200 (tools/kernel_benchmarks/matmul.py --pipelined): the wide tiles are fastest
+    wherever their grid has MIN_BLOCKS blocks (gate/up at M = 256: 172 us fp32 with 128 x 256 against 176
+    with 64 x 128 and 207 with 128 x 128; bf16 83 us with 128 x 128 against 104 with 64 x 128); below that
+    64-row tiles win (QKV at M = 256, fp32: 62 us against 107 with 128 x 128), and with bf16 inputs, when
+    even 64 x 128 has too few blocks, 64 x 64 (O at M = 256: 35 us against 38). A 128-row tile is taken only
+    when it pads M no more than a 64-row one does (at M = 64 it would do twice the work)."""
+    def blocks(tile):
+        return _cdiv(m, tile.bm) * _cdiv(n, tile.bn)
+
+    wide = WIDE_BF16 if bf16_inputs else WIDE_FP32
+    if _cdiv(m, 128) * 128 <= _cdiv(m, 64) * 64 and blocks(wide) >= MIN_BLOCKS:
+        return wide
+    if bf16_inputs and blocks(NARROW) < MIN_BLOCKS:
+        return SMALL
+    return NARROW
 
 
 def workspace_size(m: int, k: int, bf16_inputs: bool) -> int:

@@ -91,10 +91,11 @@ Versions:
    256 and 1024 in both modes: 1.1-1.4x, e.g. QKV at M = 64 with bf16 inputs 30.6 us against 38.6, gate/up
    at M = 1024 in fp32 mode 1,006 against 1,389 (BENCHMARKS.md).
 5. matmul: what the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for wide weights), gemm_tc
-   above (gemm in the simulator), and from PIPELINED_MIN_M rows, when the caller gives a workspace for x's
-   bf16 planes, version 6.
+   above (gemm in the simulator), and from PIPELINED_MIN_M rows (PIPELINED_WIDE_MIN_M for wide weights),
+   when the caller gives a workspace for x's bf16 planes, version 6.
 6. gemm_pipelined (cuda_kernels/gemm_pipelined.py): x converted once into bf16 planes, then both operands
-   streamed into shared memory by cp.async several K slabs ahead, fragments loaded with ldmatrix.
+   streamed into shared memory by cp.async several K slabs ahead, fragments loaded with ldmatrix (no
+   register staging): up to 2.7x gemm_tc with bf16 inputs and 1.6x in fp32 mode at M = 256 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -187,9 +188,12 @@ GEMM_TC_SKINNY_BLOCKS = 2 * SM_COUNT // 3   # the widest skinny tile with at lea
 GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes the deep slabs
 # Simulator default: 4 warps (2 along N, 2 K groups) with one k-step each, every code path at 128 threads.
 GEMM_TC_SIM_TILE = GemmTcTile(16, 16, 32, 16, 8, 2)
-# From this many rows matmul takes gemm_pipelined when it is given a planes workspace (measured, see
-# gemm_pipelined.pipelined_tile)
-PIPELINED_MIN_M = 257
+# From this many rows (PIPELINED_WIDE_MIN_M for weights of GEMV_WIDE_N rows or more) matmul takes
+# gemm_pipelined when it is given a planes workspace. NOTE: measured on the H200 at M = 64, gemm_tc's skinny
+# split-K tiles beat it on QKV, O and down (fp32: 44 / 31 / 118 us against 58 / 58 / 218) while it wins on
+# gate/up and the LM head (62 / 354 against 114 / 850); at M = 256 it wins or ties on every weight.
+PIPELINED_MIN_M = 128
+PIPELINED_WIDE_MIN_M = 64
 _NAIVE_BLOCK_N = 128
 
 
@@ -1070,9 +1074,9 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
     kernel[grid, kernel.threads, stream](x, w, out)
 
 
-def uses_pipelined(m: int, k: int) -> bool:
-    """Whether matmul, given a planes workspace, sends x (m, k) to gemm_pipelined rather than gemm_tc."""
-    return not SIMULATOR and k % 8 == 0 and m >= PIPELINED_MIN_M
+def uses_pipelined(m: int, n: int, k: int) -> bool:
+    """Whether matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemm_pipelined, not gemm_tc."""
+    return not SIMULATOR and k % 8 == 0 and m >= (PIPELINED_WIDE_MIN_M if n >= GEMV_WIDE_N else PIPELINED_MIN_M)
 
 
 def uses_gemv(m: int, n: int) -> bool:
@@ -1110,8 +1114,8 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
 def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
     of GEMV_WIDE_N rows or more); given a workspace for x's bf16 planes (at least
-    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined from PIPELINED_MIN_M rows when
-    K % 8 == 0; gemm_tc for the rest.
+    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined from PIPELINED_MIN_M rows
+    (PIPELINED_WIDE_MIN_M for wide weights) when K % 8 == 0; gemm_tc for the rest.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
     multiplied, by whichever kernel runs.
@@ -1122,7 +1126,7 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
     elif SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)
-    elif workspace is not None and uses_pipelined(x.shape[0], x.shape[1]):
+    elif workspace is not None and uses_pipelined(x.shape[0], weight.shape[0], x.shape[1]):
         M, N, K = _check_args(x, weight, out)
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream,
                                       tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs), bf16_inputs=bf16_inputs)

@@ -695,8 +695,8 @@ def test_bf16_planes_match_the_reference_bit_for_bit(seed, m, k, x_scale, bf16_i
 # tiles for the simulator's tests (tiny, every code path: more than one warp along M and N, chunks that do
 # not divide evenly over the threads, two stages) and the GPU's (the candidates the policy picks from)
 PIPELINED_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2)],
-                       [gp.PipelinedTile(), gp.PipelinedTile(128, 128, 32, 64, 32, 3, 2), gp.PipelinedTile(64, 64, 32, 32, 32, 4),
-                        gp.PipelinedTile(128, 64, 32, 64, 32, 4), gp.PipelinedTile(128, 128, 64, 64, 32, 3)])
+                       [gp.WIDE_FP32, gp.WIDE_BF16, gp.NARROW, gp.SMALL, gp.PipelinedTile(),
+                        gp.PipelinedTile(128, 128, 32, 64, 32, 3, 2), gp.PipelinedTile(128, 128, 64, 64, 32, 3)])
 
 
 def run_pipelined(x, w, tile=None, bf16_inputs=False, stream=0):
@@ -749,6 +749,24 @@ def test_gemm_pipelined_rejects_bad_arguments():
         gp.gemm_pipelined(x, w, out, workspace, tile=gp.PipelinedTile(16, 16, 24, 16, 16, 2))
     with pytest.raises(ValueError, match=r"stages >= 2"):
         gp.gemm_pipelined(x, w, out, workspace, tile=gp.PipelinedTile(16, 16, 16, 16, 16, 1))
+
+
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+@given(st.integers(1, 8192), st.integers(1, 131072), st.integers(1, 16384).map(lambda k: 8 * k))
+def test_pipelined_tile_policy(bf16_inputs, m, n, k):
+    """The policy's tile is a timed candidate that fits the H200's 227 KB of shared memory, never takes 128
+    rows where 64 would pad M less, and has the wide tile's grid of at least MIN_BLOCKS blocks when it is
+    the wide tile."""
+    tile = gp.pipelined_tile(m, n, k, bf16_inputs)
+    assert tile in gp.CANDIDATES
+    assert gp.shared_bytes(tile, bf16_inputs) <= 227 * 1024
+    if tile.bm == 128:
+        assert -(-m // 128) * 128 <= -(-m // 64) * 64
+        assert -(-m // 128) * -(-n // tile.bn) >= gp.MIN_BLOCKS
+    # the measured choices (gemm_pipelined.pipelined_tile's note): gate/up and QKV of the 1B model at M = 256
+    assert gp.pipelined_tile(256, 16384, 2048, bf16_inputs) == (gp.WIDE_BF16 if bf16_inputs else gp.WIDE_FP32)
+    assert gp.pipelined_tile(256, 3072, 2048, bf16_inputs) == (gp.SMALL if bf16_inputs else gp.NARROW)
+    assert gp.pipelined_tile(64, 128256, 2048, bf16_inputs) == gp.NARROW
 
 
 def test_gemm_pipelined_shared_memory():
