@@ -108,9 +108,9 @@ def test_bf16_matmul_precision_matches_its_reference(tiny_model_dir, monkeypatch
     """On the tiny model, 40 + 9 + 1 tokens, through gemm_tc and then (PIPELINED_MIN_M lowered) through
     gemm_pipelined: the logits match the bf16 reference to fp32 rounding. NOTE: short prompts on purpose.
     Measured on the H200 (both GEMMs alone match reference.matmul to 3e-7 of the largest output): at 130 or
-    270 tokens a summation-order difference flips the bf16 rounding of a few of the many more activations,
-    and one flip of one of the 64 hidden dims moves the tiny model's logits by up to 0.011 (of 3.4), with
-    either GEMM; at 40 tokens none flips (2.4e-7). On the 1B model even float64 sums in the reference move
+    270 tokens summation-order differences flip the bf16 rounding of a few of the many more activations,
+    each a whole bf16 step in one of the tiny model's 64 hidden values, and the logits moved by up to 0.011
+    (of 3.4) with either GEMM; at 40 tokens they matched to 2.4e-7. On the 1B model even float64 sums in the reference move
     the logits by 60% of the rounding's own effect, so no tolerance separates a correct GPU there."""
     from cuda_kernels import matmul
 
