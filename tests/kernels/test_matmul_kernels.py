@@ -763,7 +763,12 @@ def test_pipelined_tile_policy(bf16_inputs, m, n, k):
     if tile.bm == 128:
         assert -(-m // 128) * 128 <= -(-m // 64) * 64
         assert -(-m // 128) * -(-n // tile.bn) >= gp.MIN_BLOCKS
-    # the measured choices (gemm_pipelined.pipelined_tile's note): gate/up and QKV of the 1B model at M = 256
+
+
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+def test_pipelined_tile_policy_picks_the_measured_tiles(bf16_inputs):
+    """The choices gemm_pipelined.pipelined_tile's note measured: gate/up and QKV of the 1B model at M = 256,
+    the LM head at M = 64."""
     assert gp.pipelined_tile(256, 16384, 2048, bf16_inputs) == (gp.WIDE_BF16 if bf16_inputs else gp.WIDE_FP32)
     assert gp.pipelined_tile(256, 3072, 2048, bf16_inputs) == (gp.SMALL if bf16_inputs else gp.NARROW)
     assert gp.pipelined_tile(64, 128256, 2048, bf16_inputs) == gp.NARROW
