@@ -5,9 +5,9 @@
 
 For each matmul precision: an engine (prefix caching off, so a repeated prompt is prefilled again) takes one
 random prompt with max_tokens=1. First the plain time to first token, best of five after two warm-up runs,
-as tools/bench.py measures it. Then the same prefill with each engine-level launcher the runner calls (the
-fused QKV + RoPE + KV write, attention, gate/up + SiLU, the other matmuls, the norms, ...) wrapped in a
-device synchronize on both sides, summed per launcher over the layers.
+measured by tools/bench.py's own tv_prefill. Then the same prefill with each engine-level launcher the
+runner calls (the fused QKV + RoPE + KV write, attention, gate/up + SiLU, the other matmuls, the norms,
+...) wrapped in a device synchronize on both sides, summed per launcher over the layers.
 
 NOTE: the synchronizes take away the overlap of Python's launches with the GPU's work, so each launcher's
 share includes its launch cost (tens of us per kernel, GPU.md) and the sum exceeds the plain TTFT. Read
@@ -32,7 +32,8 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from numba import cuda  # noqa: E402
 
 from cuda_kernels import attention, embedding, matmul, rmsnorm, sampling  # noqa: E402
-from tinyvllm import LLM, SamplingParams  # noqa: E402
+from tinyvllm import LLM  # noqa: E402
+from tools.bench import greedy, tv_prefill  # noqa: E402
 
 # (module, function, label): what cuda_runner's step calls; a launcher that calls another is timed once
 LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul, "gated_matmul", "gate/up + SiLU*mul"),
@@ -42,12 +43,7 @@ LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul,
              (embedding, "gather_rows", "gather"), (sampling, "argmax", "argmax")]
 
 
-def ttft_ms(llm, prompt, params) -> float:
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return (out.metrics["first_token_time"] - out.metrics["arrival_time"]) * 1e3
-
-
-def synced_breakdown(llm, prompt, params, runs: int) -> tuple[float, dict[str, tuple[float, int]]]:
+def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[float, int]]]:
     """(ms per prefill with every launcher synchronized, {label: (ms per prefill, calls per prefill)})."""
     seconds, calls, depth = defaultdict(float), defaultdict(int), [0]
     runner = llm.engine.runner
@@ -76,7 +72,7 @@ def synced_breakdown(llm, prompt, params, runs: int) -> tuple[float, dict[str, t
     try:
         start = time.perf_counter()
         for _ in range(runs):
-            llm.generate([prompt], params, use_tqdm=False)
+            llm.generate([prompt], [greedy(1)], use_tqdm=False)
         total = (time.perf_counter() - start) / runs * 1e3
     finally:
         for module, name, function in originals:
@@ -98,17 +94,15 @@ def main(argv=None) -> int:
         from tinyvllm.random_model import make_random_model
 
         model = make_random_model(tempfile.mkdtemp(), args.preset, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for precision in args.matmul_precision:
         llm = LLM(model, backend="cuda", max_num_seqs=8, matmul_precision=precision,
                   gpu_memory_utilization=0.3, enable_prefix_caching=False)
         vocab = min(llm.engine.config.vocab_size, 10000)
         prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
-        for _ in range(2):   # compile, warm up
-            ttft_ms(llm, prompt, params)
-        ttfts = [ttft_ms(llm, prompt, params) for _ in range(5)]
-        print(f"{precision}: TTFT best {min(ttfts):.2f} ms of {[round(t, 2) for t in ttfts]}")
-        total, parts = synced_breakdown(llm, prompt, params, args.runs)
+        tv_prefill(llm, prompt, runs=2)   # compile, warm up
+        ttft = tv_prefill(llm, prompt, runs=5)
+        print(f"{precision}: TTFT best {ttft['ttft_ms']:.2f} ms of {[round(t, 2) for t in ttft['runs_ttft_ms']]}")
+        total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
         print("| launcher | ms per prefill | calls |\n| --- | ---: | ---: |")
         for label, (ms, n) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
