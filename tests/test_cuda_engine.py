@@ -110,8 +110,9 @@ def test_bf16_matmul_precision_matches_its_reference(tiny_model_dir, monkeypatch
     Measured on the H200 (both GEMMs alone match reference.matmul to 3e-7 of the largest output): at 130 or
     270 tokens summation-order differences flip the bf16 rounding of a few of the many more activations,
     each a whole bf16 step in one of the tiny model's 64 hidden values, and the logits moved by up to 0.011
-    (of 3.4) with either GEMM; at 40 tokens they matched to 2.4e-7. On the 1B model even float64 sums in the reference move
-    the logits by 60% of the rounding's own effect, so no tolerance separates a correct GPU there."""
+    (of 3.4) with either GEMM; at 40 tokens they matched to 2.4e-7. On the 1B model even float64 sums in the
+    reference move the logits by 60% of the rounding's own effect, so no tolerance separates a correct GPU
+    there."""
     from cuda_kernels import matmul
 
     llm = LLM(tiny_model_dir, backend="cuda", block_size=4, num_kv_blocks=128, matmul_precision="bf16")
