@@ -16,6 +16,7 @@ from functools import lru_cache
 from numba import cuda, float32
 
 from cuda_kernels import pdl
+from cuda_kernels.launch import launch
 
 THREADS = 256
 MAX_BLOCKS = 1024
@@ -67,4 +68,4 @@ def silu_and_mul(gate_up, out, stream=0):
     n = expected[0] * expected[1]
     if n:
         blocks = min(MAX_BLOCKS, -(-n // THREADS))
-        pdl.launch(_silu_and_mul_kernel()[blocks, THREADS, stream], gate_up, out)
+        launch(_silu_and_mul_kernel(), blocks, THREADS, stream, gate_up, out, dependent=True)

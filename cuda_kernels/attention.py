@@ -78,6 +78,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
 from cuda_kernels.primitives import FULL_MASK, WARP, bf16_to_f32, warp_max, warp_sum
 
@@ -775,9 +776,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     rows = prefill_rows_per_block(d)
     kernel = _flash_kernel(d, block_size, rows, PREFILL_WARPS)
     grid = (num_seqs, -(-max_q_len * group // rows), num_kv_heads)
-    kernel[grid, PREFILL_WARPS * WARP, stream](
-        q, cache_words(k_cache), cache_words(v_cache), block_tables, cu_seqlens_q, context_lens,
-        np.float32(scale), out)
+    launch(kernel, grid, PREFILL_WARPS * WARP, stream, q, cache_words(k_cache), cache_words(v_cache), block_tables,
+           cu_seqlens_q, context_lens, np.float32(scale), out)
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
@@ -801,9 +801,8 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     group = q.shape[1] // num_kv_heads
     kernel = _tc_kernel(d, block_size, warps, keys)
     grid = (num_seqs, -(-max_q_len * group // (16 * warps)), num_kv_heads)
-    kernel[grid, warps * WARP, stream](
-        q, cache_words(k_cache), cache_words(v_cache), block_tables, cu_seqlens_q, context_lens,
-        np.float32(scale), out)
+    launch(kernel, grid, warps * WARP, stream, q, cache_words(k_cache), cache_words(v_cache), block_tables,
+           cu_seqlens_q, context_lens, np.float32(scale), out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -811,8 +810,9 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
 
 
 def cache_words(cache):
-    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks, bs, Hkv, d / 4) uint64: no copy."""
-    return cache.view(np.uint64)
+    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks, bs, Hkv, d / 4) uint64, as a kernel argument
+    (launch.view: no copy, no new device array)."""
+    return view(cache, dtype=np.uint64)
 
 
 def _describe(array):

@@ -21,6 +21,7 @@ from functools import lru_cache
 from numba import cuda
 
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch
 from cuda_kernels.primitives import bf16_to_f32
 
 # NOTE: 512 threads on the GPU: a 2048-wide row in 4 passes (one memory round trip each at decode, see
@@ -77,7 +78,7 @@ def embedding(token_ids, table, out, stream=0):
     _check(out.shape == (token_ids.shape[0], table.shape[1]) and out.dtype.name == "float32", "out",
            f"({token_ids.shape[0]}, {table.shape[1]}) float32", out)
     if out.shape[0]:
-        _embedding_kernel()[out.shape[0], THREADS, stream](token_ids, table, out)
+        launch(_embedding_kernel(), out.shape[0], THREADS, stream, token_ids, table, out)
 
 
 def gather_rows(x, indices, out, stream=0):
@@ -87,7 +88,7 @@ def gather_rows(x, indices, out, stream=0):
     _check(out.shape == (indices.shape[0], x.shape[1]) and out.dtype.name == "float32", "out",
            f"({indices.shape[0]}, {x.shape[1]}) float32", out)
     if out.shape[0]:
-        _gather_rows_kernel()[out.shape[0], THREADS, stream](x, indices, out)
+        launch(_gather_rows_kernel(), out.shape[0], THREADS, stream, x, indices, out)
 
 
 def chain_tokens(token_ids, sampled, src, stream=0):
@@ -98,7 +99,7 @@ def chain_tokens(token_ids, sampled, src, stream=0):
     _check(src.shape == token_ids.shape and src.dtype.name == "int32", "src", f"({token_ids.shape[0]},) int32",
            src)
     if token_ids.shape[0]:
-        _chain_tokens_kernel()[-(-token_ids.shape[0] // THREADS), THREADS, stream](token_ids, sampled, src)
+        launch(_chain_tokens_kernel(), -(-token_ids.shape[0] // THREADS), THREADS, stream, token_ids, sampled, src)
 
 
 def _check(ok, name, expected, array):

@@ -110,6 +110,7 @@ from cuda_kernels import activation, gemm_pipelined, pdl, rope
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
 from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, warp_sum
 
@@ -942,10 +943,10 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     in the epilogue (config.rows_per_warp must be even: a warp pairs its gate and up rows).
     """
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
-    setup = _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, "gated" if gated else "")
+    setup = _gemv_setup(weight, M, N, K, config, bf16_inputs, "gated" if gated else "")
     if setup:
-        configured, w64, w16, kv = setup
-        pdl.launch(configured, x, w64, w16, out, kv)
+        kernel, grid, block, w64, w16, kv = setup
+        launch(kernel, grid, block, stream, x, w64, w16, out, kv, dependent=True)
 
 
 def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0,
@@ -961,15 +962,16 @@ def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_
         raise ValueError(f"gemv_rope: x {tuple(x.shape)} and weight {tuple(weight.shape)} give a ({M}, {N}) "
                          f"product; q_out and the caches need ({t}, {(hq + 2 * hkv) * d}) for Hq={hq}, "
                          f"Hkv={hkv}, d={d}")
-    setup = _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, "rope", d)
+    setup = _gemv_setup(weight, M, N, K, config, bf16_inputs, "rope", d)
     if setup:
-        configured, w64, w16, kv = setup
-        pdl.launch(configured, x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping)
+        kernel, grid, block, w64, w16, kv = setup
+        launch(kernel, grid, block, stream, x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping,
+               dependent=True)
 
 
-def _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, pairing, head_dim=0):
-    """(the gemv kernel configured with its grid, block and stream, w64, w16, kv) for x (M, K) @ weight^T,
-    or None when there is nothing to compute; checks config."""
+def _gemv_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
+    """(the gemv kernel, its grid and block, w64, w16, kv) for x (M, K) @ weight^T, or None when there is
+    nothing to compute; checks config."""
     if M == 0 or N == 0:
         return None
     config = GemvConfig(*config) if config else gemv_config(M, N, K)
@@ -982,13 +984,13 @@ def _gemv_setup(weight, M, N, K, stream, config, bf16_inputs, pairing, head_dim=
         w64 = w16 = weight  # NOTE: w16 is only read by the scalar tail, which is empty when K % 4 == 0
         kv = K // 4
     elif K % 4 == 0 and weight.is_c_contiguous():
-        w64, w16, kv = weight.view(np.uint64), weight, K // 4
+        w64, w16, kv = view(weight, dtype=np.uint64), weight, K // 4
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
     m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
     kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim)
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    return kernel[grid, WARP * config.warps_per_block, stream], w64, w16, kv
+    return kernel, grid, WARP * config.warps_per_block, w64, w16, kv
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):
@@ -999,7 +1001,7 @@ def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool
         return
     kernel = _gemm_kernel(*tile, bool(bf16_inputs))
     grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
-    kernel[grid, kernel.threads, stream](x, weight, out)
+    launch(kernel, grid, kernel.threads, stream, x, weight, out)
 
 
 def _blocks(tile: GemmTcTile, m: int, n: int) -> int:
@@ -1067,11 +1069,10 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
         return
     tile = GemmTcTile(*tile) if tile else (GEMM_TC_SIM_TILE if SIMULATOR else gemm_tc_tile(M, N, K, bf16_inputs))
     w_words = K % 4 == 0
-    w = weight.view(np.uint64) if w_words else weight
-    x, w = x.reshape(M * K), w.reshape(w.shape[0] * w.shape[1])
+    w = view(weight, (N * K // 4,), np.uint64) if w_words else view(weight, (N * K,))
     kernel = _gemm_tc_kernel(*tile, w_words, bool(bf16_inputs))
     grid = ((N + tile.bn - 1) // tile.bn, (M + tile.bm - 1) // tile.bm)
-    kernel[grid, kernel.threads, stream](x, w, out)
+    launch(kernel, grid, kernel.threads, stream, view(x, (M * K,)), w, out)
 
 
 def uses_pipelined(m: int, n: int, k: int) -> bool:
@@ -1091,7 +1092,7 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
     if uses_gemv(x.shape[0], weight.shape[0]):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs, gated=True)
     else:
-        gate_up = scratch[:x.shape[0]]
+        gate_up = _rows(scratch, x.shape[0])
         matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs, workspace=workspace)
         activation.silu_and_mul(gate_up, out, stream)
 
@@ -1106,9 +1107,14 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
         gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
                   bf16_inputs=bf16_inputs)
     else:
-        qkv = scratch[:x.shape[0]]
+        qkv = _rows(scratch, x.shape[0])
         matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace)
         rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream)
+
+
+def _rows(scratch, m: int):
+    """The first m rows of scratch; scratch itself when it has m (a slice is a new device array: tens of us)."""
+    return scratch if scratch.shape[0] == m else scratch[:m]
 
 
 def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None):

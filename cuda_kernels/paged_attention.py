@@ -82,6 +82,7 @@ from cuda_kernels import pdl
 from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, cache_words,
                                     check_cache_args, store_words, unpack_bf16x4, warp_barrier)
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch, view
 from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum
 
 MAX_WARPS = 2 if SIMULATOR else 4   # the simulator runs one Python thread per CUDA thread
@@ -616,8 +617,10 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
 
 
 def cache_rows(cache):
-    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks * bs * Hkv, d / 4) uint64 rows: no copy."""
-    return cache_words(cache).reshape(-1, cache.shape[3] // 4)
+    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks * bs * Hkv, d / 4) uint64 rows, as a kernel
+    argument (launch.view: no copy, no new device array)."""
+    blocks, bs, hkv, d = cache.shape
+    return view(cache, (blocks * bs * hkv, d // 4), np.uint64)
 
 
 def decode_warps(head_dim: int) -> int:
@@ -633,8 +636,8 @@ def paged_attention_v1(q, k_cache, v_cache, block_tables, context_lens, scale, o
         return
     warps = decode_warps(d)
     kernel, _ = _decode_kernels(d, block_size, k_cache.shape[2], warps)
-    kernel[(q.shape[0], q.shape[1]), warps * WARP, stream](
-        q, cache_rows(k_cache), cache_rows(v_cache), block_tables, context_lens, np.float32(scale), out)
+    launch(kernel, (q.shape[0], q.shape[1]), warps * WARP, stream, q, cache_rows(k_cache), cache_rows(v_cache),
+           block_tables, context_lens, np.float32(scale), out)
 
 
 def heads_per_block(group: int) -> int:
@@ -734,11 +737,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if parts == 1:
-        pdl.launch(direct[grid, warps * WARP, stream], q, k_rows, v_rows, block_tables, context_lens,
-                   np.float32(scale), out)
+        launch(direct, grid, warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens, np.float32(scale),
+               out, dependent=True)
         return
-    pdl.launch(split[grid + (parts,), warps * WARP, stream], q, k_rows, v_rows, block_tables, context_lens,
-               np.float32(scale), int(partition_blocks), *partials)
+    launch(split, grid + (parts,), warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens,
+           np.float32(scale), int(partition_blocks), *partials, dependent=True)
     paged_attention_reduce(*partials, context_lens, int(partition_blocks) * block_size, out, stream)
 
 
@@ -774,9 +777,9 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, scale
         return
     warps = decode_warps(d)
     _, kernel = _decode_kernels(d, block_size, k_cache.shape[2], warps)
-    kernel[(q.shape[0], q.shape[1], partial_out.shape[2]), warps * WARP, stream](
-        q, cache_rows(k_cache), cache_rows(v_cache), block_tables, context_lens, np.float32(scale),
-        int(partition_size), partial_out, partial_max, partial_sum)
+    launch(kernel, (q.shape[0], q.shape[1], partial_out.shape[2]), warps * WARP, stream, q, cache_rows(k_cache),
+           cache_rows(v_cache), block_tables, context_lens, np.float32(scale), int(partition_size), partial_out,
+           partial_max, partial_sum)
     paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, partition_size, out, stream)
 
 
@@ -791,8 +794,8 @@ def paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, 
     _expect("out", out, (s, hq, d), np.float32)
     if s == 0:
         return
-    pdl.launch(paged_attention_reduce_kernel[(s, hq), WARP, stream], partial_out, partial_max, partial_sum,
-               context_lens, int(partition_size), out)
+    launch(paged_attention_reduce_kernel, (s, hq), WARP, stream, partial_out, partial_max, partial_sum,
+           context_lens, int(partition_size), out, dependent=True)
 
 
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, out):

@@ -7,9 +7,10 @@ as a small kernel's own work. On sm_90 and later, PDL overlaps that:
 
 - A executes ``launch_dependents()`` (griddepcontrol.launch_dependents). Once every block of A has executed it
   or exited, the GPU may schedule B's blocks on whatever SM resources are free, while A still runs.
-- B is launched with the programmatic-stream-serialization attribute (``launch(kernel[grid, block, stream],
-  *args)`` below). Before B touches memory that an earlier kernel writes, B executes ``grid_wait()``
-  (griddepcontrol.wait). The wait returns when every grid B depends on has completed, with its writes visible.
+- B is launched with the programmatic-stream-serialization attribute (``launch(kernel, grid, block, stream,
+  *args, dependent=True)``, cuda_kernels/launch.py). Before B touches memory that an earlier kernel writes,
+  B executes ``grid_wait()`` (griddepcontrol.wait). The wait returns when every grid B depends on has
+  completed, with its writes visible.
 
 So the code before the wait overlaps A's tail (and possibly earlier kernels: A itself may not have passed its
 own wait yet): there, a kernel may read only what no kernel still running can write, and it must not write
@@ -17,7 +18,7 @@ anything. The gemv issues its first weight loads before the wait; decode attenti
 (block tables, context lengths) and the K/V of keys older than the step; the other kernels wait first and
 gain the launch latency.
 
-Rules for a kernel launched through `launch`:
+Rules for a kernel launched with dependent=True:
 1. Every block executes grid_wait() before it exits, including blocks with nothing to do. A grid completes
    only after all its blocks do. So if each launched kernel waited for its predecessor, the chain is
    transitive: when B's wait returns, A has completed, and A's own wait means everything before A has too.
@@ -29,11 +30,7 @@ launch_dependents() only lets a PDL-launched successor start early.
 The device functions compile to the two instructions on compute capability 9.0 and later, and to nothing
 below 9.0 (where `launch` also launches the ordinary way). In the simulator they are no-ops: it runs one
 launch at a time. TINYVLLM_PDL=0 turns the attribute off (for A/B measurements); the instructions stay.
-
-Mechanism: numba-cuda 0.30 launches through cuda.core, building one ``cuda.core.LaunchConfig`` per launch
-inside ``numba.cuda.dispatcher``. numba's own launch syntax has no way to pass the attribute, so this module
-replaces that name with a factory. The factory sets ``programmatic_stream_serialization`` during a call of
-`launch` and leaves every other launch as it was.
+`enabled()` says whether dependent launches get the attribute.
 
 `producer_consumer` is the smallest example of the rules: a slow producer kernel, then a PDL-launched
 consumer that waits before it reads the producer's output. The tests use it.
@@ -41,10 +38,10 @@ consumer that waits before it reads the producer's output. The tests use it.
 
 from __future__ import annotations
 
-import os
-
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import PDL_MIN_CC, launch
+from cuda_kernels.launch import pdl_enabled as enabled  # noqa: F401  (re-exported: the PDL switch)
 from numba import cuda
 
 if SIMULATOR:
@@ -54,27 +51,16 @@ if SIMULATOR:
     def launch_dependents():
         """No-op in the simulator."""
 
-    def launch(configured, *args):
-        """Launch as usual (the simulator has no PDL)."""
-        configured(*args)
-
-    def enabled() -> bool:
-        return False
-
 else:
-    import threading
     from functools import lru_cache
 
     from llvmlite import ir
     from numba import types
-    from numba.cuda import dispatcher as _dispatcher
     from numba.cuda.extending import intrinsic
-
-    MIN_CC = (9, 0)
 
     @lru_cache(maxsize=None)
     def _device_supports() -> bool:
-        return tuple(cuda.get_current_device().compute_capability) >= MIN_CC
+        return tuple(cuda.get_current_device().compute_capability) >= PDL_MIN_CC
 
     def _griddepcontrol(op: str):
         @intrinsic
@@ -104,35 +90,6 @@ else:
     def launch_dependents():
         """Allow the next PDL-launched grid of the stream to start once every block of this grid got here."""
         _trigger_asm()
-
-    _CoreLaunchConfig = _dispatcher.LaunchConfig
-    # .programmatic is True only inside launch() on this thread: read by the factory numba's launch calls
-    _state = threading.local()
-
-    def _launch_config(*args, **kwargs):
-        config = _CoreLaunchConfig(*args, **kwargs)
-        if getattr(_state, "programmatic", False):
-            config.programmatic_stream_serialization = True
-        return config
-
-    if getattr(_dispatcher.LaunchConfig, "__name__", "") != "_launch_config":
-        _dispatcher.LaunchConfig = _launch_config
-
-    @lru_cache(maxsize=None)
-    def enabled() -> bool:
-        """Whether `launch` sets the attribute: a device of compute capability 9.0 or later, a cuda.core that
-        knows the attribute, and TINYVLLM_PDL not "0"."""
-        return (os.environ.get("TINYVLLM_PDL", "1") != "0" and _device_supports()
-                and hasattr(_CoreLaunchConfig(grid=1, block=1), "programmatic_stream_serialization"))
-
-    def launch(configured, *args):
-        """configured(*args), i.e. kernel[grid, block, stream](*args), launched with the programmatic
-        stream serialization attribute (see the module docstring for what the kernel must do)."""
-        _state.programmatic = enabled()
-        try:
-            configured(*args)
-        finally:
-            _state.programmatic = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,8 +124,8 @@ def _add_one(a, b):
 
 
 def producer_consumer(a, b, spins, stream=0):
-    """a[i] <- i (slowly), then b <- a + 1 launched through `launch`: b == arange + 1 however early it starts.
+    """a[i] <- i (slowly), then b <- a + 1 launched as a dependent: b == arange + 1 however early it starts.
     a, b: float32 device arrays of the same size."""
     blocks = -(-a.size // 256)
-    _slow_fill[blocks, 256, stream](a, spins)
-    launch(_add_one[blocks, 256, stream], a, b)
+    launch(_slow_fill, blocks, 256, stream, a, spins)
+    launch(_add_one, blocks, 256, stream, a, b, dependent=True)

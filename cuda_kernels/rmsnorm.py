@@ -26,6 +26,7 @@ from numba import cuda, float32
 
 from cuda_kernels import pdl
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch
 from cuda_kernels.primitives import bf16_to_f32, block_sum
 
 # The simulator runs one Python thread per CUDA thread: keep its blocks small.
@@ -83,7 +84,8 @@ def rmsnorm(x, weight, eps, out, stream=0):
     """out (T, H) float32 <- rmsnorm of x (T, H) float32 with bf16 weight (H,)."""
     _check_shapes(x, weight, out)
     if x.shape[0]:
-        pdl.launch(_rmsnorm_kernel(False, x.shape[1], THREADS)[x.shape[0], THREADS, stream], x, x, weight, eps, out)
+        launch(_rmsnorm_kernel(False, x.shape[1], THREADS), x.shape[0], THREADS, stream, x, x, weight, eps, out,
+               dependent=True)
 
 
 def fused_add_rmsnorm(x, residual, weight, eps, out, stream=0):
@@ -92,8 +94,8 @@ def fused_add_rmsnorm(x, residual, weight, eps, out, stream=0):
     if residual.shape != x.shape or residual.dtype.name != "float32":
         raise ValueError(f"residual: expected {tuple(x.shape)} float32, got {tuple(residual.shape)} {residual.dtype}")
     if x.shape[0]:
-        pdl.launch(_rmsnorm_kernel(True, x.shape[1], THREADS)[x.shape[0], THREADS, stream], x, residual, weight,
-                   eps, out)
+        launch(_rmsnorm_kernel(True, x.shape[1], THREADS), x.shape[0], THREADS, stream, x, residual, weight, eps,
+               out, dependent=True)
 
 
 def _check_shapes(x, weight, out):

@@ -27,6 +27,7 @@ from numba import cuda
 
 from cuda_kernels import pdl
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch
 from cuda_kernels.primitives import f32_to_bf16
 
 # NOTE: 512 threads on the GPU, so that one token's (Hq + Hkv) * d/2 rotation pairs take few passes (3 for
@@ -106,5 +107,5 @@ def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_ou
         raise ValueError(f"qkv: expected ({t}, {(hq + 2 * hkv) * d}) float32 for Hq={hq}, Hkv={hkv}, d={d}; "
                          f"got {tuple(qkv.shape)} {qkv.dtype}")
     if t:
-        pdl.launch(_rope_kv_write_kernel(hq, hkv, d)[t, THREADS, stream], qkv, positions, cos, sin, k_cache,
-                   v_cache, slot_mapping, q_out)
+        launch(_rope_kv_write_kernel(hq, hkv, d), t, THREADS, stream, qkv, positions, cos, sin, k_cache, v_cache,
+               slot_mapping, q_out, dependent=True)

@@ -48,6 +48,7 @@ from tinyvllm.step_inputs import StepInputs, StepShape
 
 # Without a real device to measure (the simulator), a small cache.
 SIMULATOR_KV_BLOCKS = 256
+PREFIX_CACHE_SIZES = 256   # (tokens, sampled rows) sizes whose buffer prefixes are kept
 
 
 class CUDARunner:
@@ -101,6 +102,11 @@ class CUDARunner:
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
         self.tokens = empty(s, np.int32)                  # the last launched step's samples
+        # the prefixes of these buffers a step of (tokens, sampled rows) uses, made once per size: a slice
+        # of a Numba device array costs tens of us, and a new array object is typed afresh at each launch.
+        # NOTE: a plain dict, not an lru_cache of a bound method, which would keep the runner (and its GPU
+        # memory) alive in a reference cycle until the garbage collector runs
+        self._prefix_cache: dict[tuple[int, int], dict] = {}
         # two host copies of them, so a step's tokens can be read while the next step's are on their way
         self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
         # the split argmax's per-chunk winners (sampling.argmax_workspace_size)
@@ -194,8 +200,8 @@ class CUDARunner:
         t, _, n, _ = shape
         ids, pos, slots, tables, ctx = (v[k] for k in ("token_ids", "positions", "slot_mapping", "block_tables",
                                                         "context_lens"))
-        x, h, sub, q, attn = (a[:t] for a in (self.x, self.h, self.sub, self.q, self.attn))
-        act = self.act[:t]
+        p = self._prefixes(t, n)
+        x, h, sub, q, attn, act = p["x"], p["h"], p["sub"], p["q"], p["attn"], p["act"]
         decode = max_q_len == 1
         mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs, workspace=self.planes)
         if chained:
@@ -207,7 +213,7 @@ class CUDARunner:
             else:
                 rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
             matmul.matmul_rope_kv_write(h, layer["qkv"], pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
-                                        slots, q, self.qkv, stream, bf16_inputs=self.bf16_inputs,
+                                        slots, q, p["qkv"], stream, bf16_inputs=self.bf16_inputs,
                                         workspace=self.planes)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
@@ -215,15 +221,15 @@ class CUDARunner:
             else:
                 self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
                                        self.scale, attn, max_q_len, stream)
-            mm(attn.reshape(t, c.q_size), layer["o"], sub, stream)
+            mm(p["attn_rows"], layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
-            matmul.gated_matmul(h, layer["gate_up"], act, self.gate_up, stream, bf16_inputs=self.bf16_inputs,
+            matmul.gated_matmul(h, layer["gate_up"], act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
                                 workspace=self.planes)
             mm(act, layer["down"], sub, stream)
         if n == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
-        last, logits, tokens = self.last[:n], self.logits[:n], self.tokens[:n]
+        last, logits, tokens = p["last"], p["logits"], p["tokens"]
         embedding.gather_rows(h, v["logits_indices"], last, stream)
         mm(last, self.lm_head, logits, stream)
         if greedy:
@@ -231,6 +237,19 @@ class CUDARunner:
         else:
             sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
                             stream, workspace=self.sample_workspace)
+
+    def _prefixes(self, t: int, n: int) -> dict:
+        """The first t rows of the token buffers and the first n of the sampled-row ones, as device arrays."""
+        p = self._prefix_cache.get((t, n))
+        if p is not None:
+            return p
+        if len(self._prefix_cache) >= PREFIX_CACHE_SIZES:
+            self._prefix_cache.clear()
+        p = self._prefix_cache[t, n] = {name: getattr(self, name)[:t]
+                                         for name in ("x", "h", "sub", "q", "attn", "act", "qkv", "gate_up")}
+        p["attn_rows"] = p["attn"].reshape(t, self.config.q_size)
+        p.update({name: getattr(self, name)[:n] for name in ("last", "logits", "tokens")})
+        return p
 
 
 def _bucket(size: int, buckets: tuple[int, ...]) -> int:
