@@ -34,8 +34,8 @@ Tails: rows >= M or N and k >= K are copied as zeros (cp.async with a source siz
 inside (M, N) only.
 
 Shared memory: STAGES * (P * BM + BN) * (BK + 8) * 2 bytes, dynamic, opted in above 48 KB per kernel
-(``_allow_shared``). NOTE: the 8 bf16 of padding make a row 16 bytes longer than BK, so the 8 rows one
-ldmatrix matrix reads fall in 8 different 16-byte bank groups (row stride 80 or 144 bytes): conflict-free.
+(by cuda_kernels/launch.py). NOTE: the 8 bf16 of padding make a row 16 bytes longer than BK, so the 8 rows
+one ldmatrix matrix reads fall in 8 different 16-byte bank groups (row stride 80 or 144 bytes): conflict-free.
 
 Versions (continuing matmul.py's list): 6. this kernel, for prefill and large batches on the GPU (matmul
 sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest).
@@ -53,6 +53,7 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
 from cuda_kernels.primitives import WARP, f32_to_bf16
 
@@ -70,18 +71,20 @@ class PipelinedTile(NamedTuple):
 
 
 # The policy's tiles (pipelined_tile; measured on the H200, BENCHMARKS.md): a wide tile per mode where the
-# grid still has about a block per SM, else 64 rows (and, with bf16 inputs and a small grid, 64 x 64).
+# grid still has about a block per SM (with bf16 inputs and at most one wave of blocks, its 64-deep slab),
+# else 64 rows (and, with bf16 inputs and a small grid, 64 x 64).
 WIDE_FP32 = PipelinedTile(128, 256, 32, 64, 64, 3)
 WIDE_BF16 = PipelinedTile(128, 128, 32, 64, 32, 3)
+WIDE_BF16_DEEP = PipelinedTile(128, 128, 64, 64, 32, 3)
 NARROW = PipelinedTile(64, 128, 32, 32, 32, 4)
 SMALL = PipelinedTile(64, 64, 32, 32, 32, 4)
 MIN_BLOCKS = 120   # of the H200's 132 SMs: fewer blocks than this leave too many idle
+ONE_WAVE = 132     # blocks the H200 runs at once with one 128 x 128 block per SM
 # Tiles worth timing against them (tools/kernel_benchmarks/matmul.py --pipelined)
 CANDIDATES = (PipelinedTile(128, 128, 32, 64, 32, 4), PipelinedTile(128, 128, 32, 64, 32, 3),
               PipelinedTile(128, 128, 32, 64, 32, 3, 2), PipelinedTile(128, 128, 64, 64, 32, 3),
               PipelinedTile(64, 64, 32, 32, 32, 4), PipelinedTile(128, 64, 32, 64, 32, 4),
               PipelinedTile(64, 128, 32, 32, 32, 4), PipelinedTile(128, 256, 32, 64, 64, 3))
-STATIC_SHARED_LIMIT = 48 * 1024   # dynamic shared memory above this needs the per-kernel opt-in
 # The simulator's tile: 2 warps of 16 x 16, two k-steps a slab, three stages (every code path, 64 threads).
 SIM_TILE = PipelinedTile(16, 32, 32, 16, 16, 3)
 
@@ -104,13 +107,16 @@ def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
     with 64 x 128 and 207 with 128 x 128; bf16 83 us with 128 x 128 against 104 with 64 x 128); below that
     64-row tiles win (QKV at M = 256, fp32: 62 us against 107 with 128 x 128), and with bf16 inputs, when
     even 64 x 128 has too few blocks, 64 x 64 (O at M = 256: 35 us against 38). A 128-row tile is taken only
-    when it pads M no more than a 64-row one does (at M = 64 it would do twice the work)."""
+    when it pads M no more than a 64-row one does (at M = 64 it would do twice the work). With bf16 inputs
+    and a grid of one wave or less, every block runs alone on its SM for the whole K, and the 64-deep slab
+    (half the barriers and waits per K) is faster: at M = 1024, O 63 us against 68 and down 196 against
+    214; with more blocks it is slower (QKV 109 against 87, gate/up 389 against 309)."""
     def blocks(tile):
         return _cdiv(m, tile.bm) * _cdiv(n, tile.bn)
 
     wide = WIDE_BF16 if bf16_inputs else WIDE_FP32
     if _cdiv(m, 128) * 128 <= _cdiv(m, 64) * 64 and blocks(wide) >= MIN_BLOCKS:
-        return wide
+        return WIDE_BF16_DEEP if bf16_inputs and blocks(wide) <= ONE_WAVE else wide
     if bf16_inputs and blocks(NARROW) < MIN_BLOCKS:
         return SMALL
     return NARROW
@@ -276,33 +282,6 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
 # launchers
 # ---------------------------------------------------------------------------------------------------------
 
-_opted_in: dict = {}
-
-
-def _allow_shared(kernel, args, nbytes: int) -> None:
-    """Raise the kernel's dynamic shared memory limit to nbytes (needed above 48 KB, GPU.md), once per
-    compiled kernel and size. Compiles the kernel for these arguments if it is not yet."""
-    if SIMULATOR or nbytes <= STATIC_SHARED_LIMIT:
-        return
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    device = cuda.get_current_device().id
-    key = (id(compiled), device)
-    if _opted_in.get(key, 0) >= nbytes:
-        return
-    from cuda.bindings import driver as drv
-
-    attribute = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    handle = compiled._codelibrary.get_cufunc().handle
-    if isinstance(handle, drv.CUkernel):
-        result = drv.cuKernelSetAttribute(attribute, nbytes, handle, drv.CUdevice(device))
-    else:
-        result = drv.cuFuncSetAttribute(handle, attribute, nbytes)
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        raise RuntimeError(f"gemm_pipelined: could not allow {nbytes} bytes of dynamic shared memory: {err}")
-    _opted_in[key] = nbytes
-
-
 def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
     """planes[p * M * K + i] <- bf16 piece p of x.flat[i]: x rounded to nearest even (bf16_inputs), or the
     hi, mid and lo pieces of the bf16x3 split. x (M, K) float32, C-contiguous; planes (>= P M K,) uint16.
@@ -318,7 +297,7 @@ def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
         return
     threads = 256
     blocks = min(_cdiv(size, threads), 64 * 132)
-    _planes_kernel(bool(bf16_inputs))[blocks, threads, stream](x.reshape(size), planes)
+    launch(_planes_kernel(bool(bf16_inputs)), blocks, threads, stream, view(x, (size,)), planes)
 
 
 def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | None = None,
@@ -341,6 +320,5 @@ def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | No
     tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
     kernel = _gemm_kernel(*tile, pieces(bf16_inputs))
     nbytes = shared_bytes(tile, bf16_inputs)
-    args = (workspace, weight.reshape(N * K), out, np.int64(K))
-    _allow_shared(kernel, args, nbytes)
-    kernel[(_cdiv(M, tile.bm), _cdiv(N, tile.bn)), kernel.threads, stream, nbytes](*args)
+    launch(kernel, (_cdiv(M, tile.bm), _cdiv(N, tile.bn)), kernel.threads, stream, workspace, view(weight, (N * K,)),
+           out, np.int64(K), shared=nbytes)

@@ -20,6 +20,7 @@ from cuda_kernels import async_copy
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
+from cuda_kernels.launch import STATIC_SHARED_LIMIT
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
 from reference.matmul import bf16_planes as reference_bf16_planes
@@ -768,10 +769,13 @@ def test_pipelined_tile_policy(bf16_inputs, m, n, k):
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 def test_pipelined_tile_policy_picks_the_measured_tiles(bf16_inputs):
     """The choices gemm_pipelined.pipelined_tile's note measured: gate/up and QKV of the 1B model at M = 256,
-    the LM head at M = 64."""
+    the LM head at M = 64, and at M = 1024 QKV, O and down."""
     assert gp.pipelined_tile(256, 16384, 2048, bf16_inputs) == (gp.WIDE_BF16 if bf16_inputs else gp.WIDE_FP32)
     assert gp.pipelined_tile(256, 3072, 2048, bf16_inputs) == (gp.SMALL if bf16_inputs else gp.NARROW)
     assert gp.pipelined_tile(64, 128256, 2048, bf16_inputs) == gp.NARROW
+    assert gp.pipelined_tile(1024, 3072, 2048, bf16_inputs) == (gp.WIDE_BF16 if bf16_inputs else gp.NARROW)
+    for n, k in ((2048, 2048), (2048, 8192)):   # O, down
+        assert gp.pipelined_tile(1024, n, k, bf16_inputs) == (gp.WIDE_BF16_DEEP if bf16_inputs else gp.NARROW)
 
 
 def test_gemm_pipelined_shared_memory():
@@ -780,4 +784,4 @@ def test_gemm_pipelined_shared_memory():
     tile = gp.PipelinedTile()
     assert gp.shared_bytes(tile, True) == 4 * (128 + 128) * 40 * 2 == 81920
     assert gp.shared_bytes(tile, False) == 4 * (3 * 128 + 128) * 40 * 2
-    assert gp.shared_bytes(tile, True) > gp.STATIC_SHARED_LIMIT
+    assert gp.shared_bytes(tile, True) > STATIC_SHARED_LIMIT
