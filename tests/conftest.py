@@ -3,6 +3,7 @@
 TINYVLLM_TEST_PROFILE selects where kernels run and how hard hypothesis looks:
 - "sim" (the default, what CI uses): Numba's CUDA simulator, tiny shapes, few examples;
 - "gpu": a real CUDA GPU, real shapes, more examples.
+TINYVLLM_TEST_EXAMPLES, if set, is the number of examples per hypothesis test in either profile.
 The simulator has to be switched on before numba.cuda is first imported, hence this happens at the top.
 """
 
@@ -21,9 +22,11 @@ if PROFILE == "sim":
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile("sim", max_examples=20, deadline=None,
+# TINYVLLM_TEST_EXAMPLES overrides the profile's examples per hypothesis test (a quicker pass on a GPU)
+EXAMPLES = os.environ.get("TINYVLLM_TEST_EXAMPLES")
+settings.register_profile("sim", max_examples=int(EXAMPLES or 20), deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("gpu", max_examples=40, deadline=None,
+settings.register_profile("gpu", max_examples=int(EXAMPLES or 40), deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(PROFILE)
 
