@@ -1,22 +1,30 @@
 """Where the time of one prefill goes, launcher by launcher, on the CUDA engine.
 
     python3 tools/profile_prefill.py [--model DIR | --preset llama-3.2-1b] [--prompt-tokens 1024]
-                                     [--matmul-precision fp32 bf16] [--runs 3]
+                                     [--matmul-precision fp32 bf16] [--runs 3] [--reps 10]
 
 For each matmul precision: an engine (prefix caching off, so a repeated prompt is prefilled again) takes one
 random prompt with max_tokens=1. First the plain time to first token, best of five after two warm-up runs,
-measured by tools/bench.py's own tv_prefill. Then the same prefill with each engine-level launcher the
+measured by tools/bench.py's own tv_prefill, and the Python time of issuing the step's launches (the
+runner's forward call, timed without a synchronize). Then two breakdowns per engine-level launcher the
 runner calls (the fused QKV + RoPE + KV write, attention, gate/up + SiLU, the other matmuls, the norms,
-...) wrapped in a device synchronize on both sides, summed per launcher over the layers.
+...), summed over the layers:
 
-NOTE: the synchronizes take away the overlap of Python's launches with the GPU's work, so each launcher's
-share includes its launch cost (tens of us per kernel, GPU.md) and the sum exceeds the plain TTFT. Read
-it for where the time goes, not as kernel times; tools/kernel_benchmarks has those.
+- graph: each launcher's kernels captured into a CUDA graph and replayed (the mean of --reps replays,
+  timed with events): GPU time without launch cost. The whole step is also captured as one graph, which
+  is the prefill's GPU time with Python out of the way.
+- synced: each launcher wrapped in a device synchronize on both sides.
+
+NOTE: the synchronizes take away the overlap of Python's launches with the GPU's work, so a synced share
+includes the launch cost (tens of us per kernel, GPU.md) and the synced sum exceeds the plain TTFT. The
+replays run on a warm L2 and repeat in-place updates (the residual add, the KV write), which changes
+values, not times.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -29,10 +37,12 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba.cuda)
+from cuda_kernels.compat import SIMULATOR  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from cuda_kernels import attention, embedding, matmul, rmsnorm, sampling  # noqa: E402
 from tinyvllm import LLM  # noqa: E402
+from tinyvllm.cuda_graph import CUDAGraph  # noqa: E402
 from tools.bench import greedy, tv_prefill  # noqa: E402
 
 # (module, function, label): what cuda_runner's step calls; a launcher that calls another is timed once
@@ -43,42 +53,123 @@ LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul,
              (embedding, "gather_rows", "gather"), (sampling, "argmax", "argmax")]
 
 
-def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """(ms per prefill with every launcher synchronized, {label: (ms per prefill, calls per prefill)})."""
-    seconds, calls, depth = defaultdict(float), defaultdict(int), [0]
-    runner = llm.engine.runner
-    attention_name = runner.prefill_attention.__name__   # chosen when the runner was built
+class Wrapped:
+    """Every launcher in LAUNCHERS (and the runner's attention) replaced by around(function, label, args,
+    kwargs) for the outermost calls, while the `with` block runs."""
 
-    def timed(function, label):
+    def __init__(self, runner, around):
+        self.runner, self.around, self.depth = runner, around, 0
+        self.attention_name = runner.prefill_attention.__name__   # chosen when the runner was built
+
+    def _wrap(self, function, label):
         def run(*args, **kwargs):
-            if depth[0]:
+            if self.depth:
                 return function(*args, **kwargs)
-            depth[0] += 1
-            cuda.synchronize()
-            start = time.perf_counter()
+            self.depth += 1
             try:
-                return function(*args, **kwargs)
+                return self.around(function, label, args, kwargs)
             finally:
-                cuda.synchronize()
-                seconds[label] += time.perf_counter() - start
-                calls[label] += 1
-                depth[0] -= 1
+                self.depth -= 1
         return run
 
-    originals = [(module, name, getattr(module, name)) for module, name, _ in LAUNCHERS]
-    for (module, name, label), (_, _, function) in zip(LAUNCHERS, originals):
-        setattr(module, name, timed(function, label))
-    runner.prefill_attention = getattr(attention, attention_name)
+    def __enter__(self):
+        self.originals = [(module, name, getattr(module, name)) for module, name, _ in LAUNCHERS]
+        for (module, name, label), (_, _, function) in zip(LAUNCHERS, self.originals):
+            setattr(module, name, self._wrap(function, label))
+        self.runner.prefill_attention = getattr(attention, self.attention_name)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, function in self.originals:
+            setattr(module, name, function)
+        self.runner.prefill_attention = getattr(attention, self.attention_name)
+
+
+def replay_ms(record, stream, reps: int) -> float:
+    """GPU ms of the launches record(stream) makes, captured as a CUDA graph: the mean of reps replays."""
+    graph = CUDAGraph(record, stream)
+    graph.replay()
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    for _ in range(reps):
+        graph.replay()
+    end.record(stream)
+    end.synchronize()
+    return cuda.event_elapsed_time(start, end) / reps
+
+
+def issue_ms(llm, prompt, runs: int) -> float:
+    """Python ms of the runner's forward call (the step's launches, issued without waiting), best of runs."""
+    runner, times = llm.engine.runner, []
+    forward = runner._forward
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        forward(*args, **kwargs)
+        times.append((time.perf_counter() - start) * 1e3)
+
+    runner._forward = timed
     try:
+        for _ in range(runs):
+            llm.generate([prompt], [greedy(1)], use_tqdm=False)
+    finally:
+        del runner._forward
+    return min(times)
+
+
+def graph_breakdown(llm, prompt, reps: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """(GPU ms of the whole step as one graph, {label: (GPU ms per prefill, calls per prefill)})."""
+    runner = llm.engine.runner
+    seconds, calls, steps = defaultdict(float), defaultdict(int), []
+
+    def around(function, label, args, kwargs):
+        seconds[label] += replay_ms(lambda _stream: function(*args, **kwargs), runner.stream, reps)
+        calls[label] += 1
+
+    forward = runner._forward
+
+    def keep(*args, **kwargs):
+        steps.append((args, kwargs))
+        forward(*args, **kwargs)
+
+    runner._forward = keep
+    try:
+        with Wrapped(runner, around):
+            llm.generate([prompt], [greedy(1)], use_tqdm=False)
+    finally:
+        del runner._forward
+    (v, shape, max_q_len, greedy_step, stream), _ = steps[0]
+    whole = replay_ms(lambda s: forward(v, shape, max_q_len, greedy_step, s, chained=False), stream, reps)
+    return whole, {label: (s, calls[label]) for label, s in seconds.items()}
+
+
+def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """(ms per prefill with every launcher synchronized, {label: (ms per prefill, calls per prefill)})."""
+    seconds, calls = defaultdict(float), defaultdict(int)
+
+    def around(function, label, args, kwargs):
+        cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            cuda.synchronize()
+            seconds[label] += time.perf_counter() - start
+            calls[label] += 1
+
+    with Wrapped(llm.engine.runner, around):
         start = time.perf_counter()
         for _ in range(runs):
             llm.generate([prompt], [greedy(1)], use_tqdm=False)
         total = (time.perf_counter() - start) / runs * 1e3
-    finally:
-        for module, name, function in originals:
-            setattr(module, name, function)
-        runner.prefill_attention = getattr(attention, attention_name)
     return total, {label: (s / runs * 1e3, calls[label] // runs) for label, s in seconds.items()}
+
+
+def print_table(title: str, parts: dict[str, tuple[float, int]]) -> None:
+    print(f"| {title} | ms per prefill | calls |\n| --- | ---: | ---: |")
+    for label, (ms, n) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {label} | {ms:.2f} | {n} |")
+    print(f"| sum | {sum(ms for ms, _ in parts.values()):.2f} | |", flush=True)
 
 
 def main(argv=None) -> int:
@@ -88,6 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--matmul-precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     p.add_argument("--runs", type=int, default=3, help="synchronized prefills averaged (default 3)")
+    p.add_argument("--reps", type=int, default=10, help="replays of each captured graph timed (default 10)")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -102,13 +194,20 @@ def main(argv=None) -> int:
         tv_prefill(llm, prompt, runs=2)   # compile, warm up
         ttft = tv_prefill(llm, prompt, runs=5)
         print(f"{precision}: TTFT best {ttft['ttft_ms']:.2f} ms of {[round(t, 2) for t in ttft['runs_ttft_ms']]}")
+        print(f"{precision}: Python issues the step's launches in {issue_ms(llm, prompt, 3):.2f} ms")
+        if SIMULATOR:
+            print(f"{precision}: graph replays skipped (the simulator cannot capture)")
+        else:
+            whole, parts = graph_breakdown(llm, prompt, args.reps)
+            print(f"{precision}: {whole:.2f} ms of GPU time for the step replayed as one CUDA graph")
+            print_table(f"launcher ({precision}), graph replay", parts)
         total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
-        print("| launcher | ms per prefill | calls |\n| --- | ---: | ---: |")
-        for label, (ms, n) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
-            print(f"| {label} | {ms:.2f} | {n} |")
-        print(f"| sum | {sum(ms for ms, _ in parts.values()):.2f} | |", flush=True)
+        print_table(f"launcher ({precision}), synchronized", parts)
         del llm
+        gc.collect()   # then numba's deferred frees, so that the next engine finds the memory free
+        if not SIMULATOR:
+            cuda.current_context().deallocations.clear()
     return 0
 
 
