@@ -91,8 +91,8 @@ if SIMULATOR:
         dtype, shape = _view_shape(array, shape, dtype)
         return array.view(dtype).reshape(shape)
 
-    def launch(kernel, grid, block, stream, *args, shared: int = 0, dependent: bool = False):
-        """kernel[grid, block, stream, shared](*args): the simulator has no driver to call, and no PDL."""
+    def _submit(kernel, grid, block, stream, args, shared, dependent):
+        """Numba's own launch: the simulator has no driver to call, and no PDL."""
         kernel[grid, block, stream, shared](*args)
 
 else:
@@ -107,20 +107,25 @@ else:
         """A C-contiguous device array passed to a kernel as a C-contiguous array of `shape` and `dtype` over
         the same bytes (by default: its own shape and dtype, the last dimension rescaled to the dtype)."""
 
-        __slots__ = ("dtype", "shape", "key", "values")
+        __slots__ = ("array", "dtype", "shape", "strides", "size", "key")
 
         def __init__(self, array, shape=None, dtype=None):
             if not array.is_c_contiguous():
                 raise ValueError(f"view: the array must be C-contiguous, got strides {array.strides}")
+            self.array = array
             self.dtype, self.shape = _view_shape(array, shape, dtype)
             strides, step = [], self.dtype.itemsize
             for n in reversed(self.shape):
                 strides.append(step)
                 step *= n
-            pointer = _array_params(array)[1][4]
+            self.strides = tuple(reversed(strides))
+            self.size = step // self.dtype.itemsize
             self.key = (view, self.dtype, len(self.shape))
-            self.values = (0, 0, array.size * array.dtype.itemsize // self.dtype.itemsize, self.dtype.itemsize,
-                           pointer, *self.shape, *reversed(strides))
+
+        def values(self) -> tuple:
+            """Its parameters: the array's pointer, with the view's size, item size, shape and strides."""
+            pointer = _array_params(self.array)[1][4]
+            return (0, 0, self.size, self.dtype.itemsize, pointer, *self.shape, *self.strides)
 
     def _array_key(a) -> tuple:
         """What of Numba's type of a device array picks the overload: dtype, ndim and layout."""
@@ -166,7 +171,7 @@ else:
                 values += more
             elif isinstance(a, view):
                 keys.append(a.key)
-                values += a.values
+                values += a.values()
             else:
                 keys.append(type(a))
                 values.append(a)
@@ -243,10 +248,8 @@ else:
             known = _streams[id(stream)] = (weakref.ref(stream), stream_handle(stream))
         return known[1]
 
-    def launch(kernel, grid, block, stream, *args, shared: int = 0, dependent: bool = False):
-        """kernel[grid, block, stream, shared](*args) as one cuLaunchKernelEx (see the module docstring).
-        kernel: a @cuda.jit dispatcher; args: Numba device arrays, view(...)s and scalars; dependent:
-        with programmatic stream serialization, for a kernel that follows pdl.py's rules."""
+    def _submit(kernel, grid, block, stream, args, shared, dependent):
+        """The driver launch behind `launch` (see the module docstring)."""
         keys, values = _params(args)
         key = (kernel, keys)
         entry = _entries.get(key)
@@ -262,6 +265,20 @@ else:
         with entry.lock:
             entry.format.pack_into(entry.buffer, 0, *values)
             ok(_drv.cuLaunchKernelEx(config, entry.handle, entry.params, 0))
+
+
+# What `launch` calls: submit(kernel, grid, block, stream, args, shared, dependent). Tools that watch or
+# filter launches (tools/profile_step.py, tools/offline_compile.py) replace it, and call the one they
+# replaced to launch.
+submit = _submit
+
+
+def launch(kernel, grid, block, stream, *args, shared: int = 0, dependent: bool = False):
+    """kernel[grid, block, stream, shared](*args), as one cuLaunchKernelEx on a GPU (see the module
+    docstring). kernel: a @cuda.jit dispatcher; args: Numba device arrays, view(...)s and scalars;
+    shared: bytes of dynamic shared memory; dependent: with programmatic stream serialization, for a kernel
+    that follows cuda_kernels/pdl.py's rules."""
+    submit(kernel, grid, block, stream, args, shared, dependent)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from cuda_kernels import pdl
-from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, cache_words,
-                                    check_cache_args, store_words, unpack_bf16x4, warp_barrier)
+from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, check_cache_args,
+                                    store_words, unpack_bf16x4, warp_barrier)
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum

@@ -128,18 +128,36 @@ def install(cuda_home: Path, report: list) -> None:
     nvvm.open_libdevice = lambda: libdevice.read_bytes()
     driver._to_core_stream = dispatcher._to_core_stream = lambda stream: stream
 
-    def launch(config, *args):
-        kernel = config.dispatcher
-        signature = tuple(typeof(a.host if isinstance(a, FakeDeviceArray) else a) for a in args)
+    from numba.core import types
+    from numba.np import numpy_support
+
+    from cuda_kernels import launch as kernel_launch
+
+    def numba_type(a):
+        if isinstance(a, FakeDeviceArray):
+            return typeof(a.host)
+        if isinstance(a, kernel_launch.view):   # a C-contiguous view of a fake array
+            return types.Array(numpy_support.from_dtype(a.dtype), len(a.shape), "C")
+        return typeof(a)
+
+    def compile_kernel(kernel, grid, block, args):
+        signature = tuple(numba_type(a) for a in args)
         options = {k: v for k, v in kernel.targetoptions.items() if k in OPTIONS}
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC, **options)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(ptx)
             done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                                   capture_output=True, text=True)
-        report.append((kernel.py_func.__name__, tuple(config.griddim), tuple(config.blockdim), done))
+        report.append((kernel.py_func.__name__, tuple(grid), tuple(block), done))
 
-    dispatcher._LaunchConfiguration.__call__ = launch
+    def dims(value):
+        return (value,) if isinstance(value, int) else tuple(value)
+
+    # both launch paths: Numba's syntax, and cuda_kernels.launch (which would call the driver)
+    dispatcher._LaunchConfiguration.__call__ = lambda config, *args: compile_kernel(
+        config.dispatcher, config.griddim, config.blockdim, args)
+    kernel_launch.submit = lambda kernel, grid, block, stream, args, shared, dependent: compile_kernel(
+        kernel, dims(grid), dims(block), args)
     from cuda_kernels import pdl
 
     pdl._device_supports = lambda: True  # the griddepcontrol instructions exist on sm_90

@@ -41,6 +41,8 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from numba import cuda  # noqa: E402
 from numba.cuda import dispatcher  # noqa: E402
 
+from cuda_kernels import launch as kernel_launch  # noqa: E402
+
 from tinyvllm.cuda_driver import driver, ok, stream_handle  # noqa: E402
 
 REPLAYS = 50
@@ -56,39 +58,59 @@ def record_external(event, stream) -> None:
                                   stream_handle(stream), drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
 
 
+class Launches:
+    """While the `with` block runs, every kernel launch, through Numba's syntax or cuda_kernels.launch, goes
+    to around(label, name, go) instead: label is "name grid (x, y, z)", go() makes the launch."""
+
+    def __init__(self, around):
+        self.around = around
+
+    def __enter__(self):
+        self.numba, self.submit = dispatcher._LaunchConfiguration.__call__, kernel_launch.submit
+        numba, submit, around = self.numba, self.submit, self.around
+
+        def through_numba(config, *args):
+            name = config.dispatcher.py_func.__name__
+            around(f"{name} grid {tuple(config.griddim)}", name, lambda: numba(config, *args))
+
+        def through_launch(kernel, grid, *rest):
+            name = kernel.py_func.__name__
+            around(f"{name} grid {tuple(grid) if isinstance(grid, tuple) else (grid,)}", name,
+                   lambda: submit(kernel, grid, *rest))
+
+        dispatcher._LaunchConfiguration.__call__ = through_numba
+        kernel_launch.submit = through_launch
+        return self
+
+    def __exit__(self, *exc):
+        dispatcher._LaunchConfiguration.__call__ = self.numba
+        kernel_launch.submit = self.submit
+
+
 def timed_launches(record, stream, events):
     """Run record() with one of `events` recorded on `stream` after each kernel launch (every launch of the
     step goes to that stream); returns [(label, event)]. The events are made beforehand, outside the capture."""
     marks = []
-    launch = dispatcher._LaunchConfiguration.__call__
 
-    def launch_and_mark(config, *args):
-        launch(config, *args)
+    def launch_and_mark(label, name, go):
+        go()
         event = events[len(marks)]
         record_external(event, stream)
-        marks.append((f"{config.dispatcher.py_func.__name__} grid {tuple(config.griddim)}", event))
+        marks.append((label, event))
 
-    dispatcher._LaunchConfiguration.__call__ = launch_and_mark
-    try:
+    with Launches(launch_and_mark):
         record()
-    finally:
-        dispatcher._LaunchConfiguration.__call__ = launch
     return marks
 
 
 def skipped_launches(record, names):
     """Run record() with every launch of a kernel function named in `names` left out."""
-    launch = dispatcher._LaunchConfiguration.__call__
+    def launch_unless_named(label, name, go):
+        if name not in names:
+            go()
 
-    def launch_unless_named(config, *args):
-        if config.dispatcher.py_func.__name__ not in names:
-            launch(config, *args)
-
-    dispatcher._LaunchConfiguration.__call__ = launch_unless_named
-    try:
+    with Launches(launch_unless_named):
         record()
-    finally:
-        dispatcher._LaunchConfiguration.__call__ = launch
 
 
 def with_gemv_configs(record, overrides: dict):
