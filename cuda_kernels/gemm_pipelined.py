@@ -33,12 +33,23 @@ multiplies slab kt. One barrier per slab.
 Tails: rows >= M or N and k >= K are copied as zeros (cp.async with a source size of 0); outputs are stored
 inside (M, N) only.
 
+Gated (``gemm_pipelined(..., gated=True)``, the engine's gate/up at prefill): W = [gate; up] (2F, K) and
+
+    out[m, f] = silu(sum_k x[m, k] gate[f, k]) * sum_k x[m, k] up[f, k]        out (M, F)
+
+so the (M, 2F) product never reaches memory and no SiLU*mul kernel runs. Only the rows staged change: a block
+covers BN / 2 features (grid y = ceil(F / (BN / 2))), and each warp's WN rows of the W stage are the gate
+rows of its WN / 2 features followed by the up rows of the same features. So n8 tile j < NJ / 2 of a warp
+holds gate columns and tile j + NJ / 2 the up columns of the same features, in the same lanes and
+registers: the epilogue pairs acc[i, j] with acc[i, j + NJ / 2] without any exchange.
+
 Shared memory: STAGES * (P * BM + BN) * (BK + 8) * 2 bytes, dynamic, opted in above 48 KB per kernel
 (by cuda_kernels/launch.py). NOTE: the 8 bf16 of padding make a row 16 bytes longer than BK, so the 8 rows
 one ldmatrix matrix reads fall in 8 different 16-byte bank groups (row stride 80 or 144 bytes): conflict-free.
 
 Versions (continuing matmul.py's list): 6. this kernel, for prefill and large batches on the GPU (matmul
-sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest).
+sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest); its gated
+epilogue (matmul.gated_matmul) replaced gemm + activation.silu_and_mul there.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from cuda_kernels.activation import silu
 from numba import cuda, float32, int64, uint16, uint32
 
 from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4
@@ -156,8 +168,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_blocks: int, planes_per_x: int):
-    """The kernel for one tile and number of x planes (see the module docstring for the mapping)."""
+def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_blocks: int, planes_per_x: int,
+                 gated: bool = False):
+    """The kernel for one tile, number of x planes and epilogue (see the module docstring for the mapping)."""
     tile = PipelinedTile(bm, bn, bk, wm, wn, stages, min_blocks)
     if bk % 16 or wm % 16 or wn % 16 or bm % wm or bn % wn or stages < 2 or min_blocks < 0:
         raise ValueError(f"gemm_pipelined tile {tuple(tile)}: need bk, wm, wn multiples of 16, bm % wm == bn % wn "
@@ -175,15 +188,27 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
     B_OFF = A_ROWS * LD           # where W's rows start in a stage
     STAGE = (A_ROWS + bn) * LD    # bf16 per stage
     MI, NJ, S = wm // 16, wn // 8, bk // 16
+    HALF_WN = wn // 2             # gated: features per warp (its gate rows, then its up rows)
     wait_for_slab = cp_async_wait(stages - 2)
     options = {"launch_bounds": (THREADS, min_blocks)} if min_blocks and not SIMULATOR else {}
+
+    @cuda.jit(device=True, inline=True)
+    def weight_row(r, cols):
+        """(the weight row staged at row r of the block's W stage, whether it exists) for out's `cols` columns:
+        row blockIdx.y * BN + r; gated, the gate (first WN / 2 rows of each warp's WN) or up row of feature
+        f = blockIdx.y * BN / 2 + (r // WN) * WN / 2 + r % (WN / 2), i.e. row f or F + f (F = cols)."""
+        if not gated:
+            n = cuda.blockIdx.y * bn + r
+            return n, n < cols
+        f = cuda.blockIdx.y * (bn // 2) + (r // wn) * HALF_WN + r % HALF_WN
+        return f + ((r % wn) // HALF_WN) * cols, f < cols
 
     @cuda.jit(device=True)
     def staging_map(out, K, amap, bmap):
         """This thread's chunks: map[e] = (offset in a stage, flat global offset at k = 0 or -1 for a row
         past M or N, the chunk's k within the slab); offset -1 for no chunk e."""
-        M, N = out.shape[0], out.shape[1]
-        m0, n0 = cuda.blockIdx.x * bm, cuda.blockIdx.y * bn
+        M = out.shape[0]
+        m0 = cuda.blockIdx.x * bm
         for e in range(A_PER):
             c = cuda.threadIdx.x + THREADS * e
             r, q = c // CH, c % CH
@@ -194,8 +219,9 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
         for e in range(B_PER):
             c = cuda.threadIdx.x + THREADS * e
             r, q = c // CH, c % CH
+            n, exists = weight_row(r, out.shape[1])
             bmap[e, 0] = B_OFF + r * LD + CHUNK * q if c < B_CHUNKS else -1
-            bmap[e, 1] = (n0 + r) * K + CHUNK * q if c < B_CHUNKS and n0 + r < N else -1
+            bmap[e, 1] = n * K + CHUNK * q if c < B_CHUNKS and exists else -1
             bmap[e, 2] = CHUNK * q
 
     @cuda.jit(device=True)
@@ -218,7 +244,8 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
 
     @cuda.jit(**options)
     def gemm_pipelined_kernel(planes, w, out, K):
-        """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, N) f32; K the shared dimension."""
+        """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, N) f32, gated (M, N / 2); K the shared
+        dimension."""
         sh = cuda.shared.array(0, uint16)
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
@@ -265,14 +292,25 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
 
         m_base = cuda.blockIdx.x * bm + wm0 + lane // 4
-        n_base = cuda.blockIdx.y * bn + wn0 + 2 * (lane % 4)
-        for i in range(MI):
-            for j in range(NJ):
-                for c in range(4):
-                    m = m_base + 16 * i + 8 * (c // 2)
-                    n = n_base + 8 * j + c % 2
-                    if m < out.shape[0] and n < out.shape[1]:
-                        out[m, n] = acc[i, j, c]
+        if gated:
+            # tile j holds gate and tile j + NJ / 2 up for features f_base + 8 j + (0, 1) (weight_row)
+            f_base = cuda.blockIdx.y * (bn // 2) + (warp % WARPS_N) * HALF_WN + 2 * (lane % 4)
+            for i in range(MI):
+                for j in range(NJ // 2):
+                    for c in range(4):
+                        m = m_base + 16 * i + 8 * (c // 2)
+                        f = f_base + 8 * j + c % 2
+                        if m < out.shape[0] and f < out.shape[1]:
+                            out[m, f] = silu(acc[i, j, c]) * acc[i, j + NJ // 2, c]
+        else:
+            n_base = cuda.blockIdx.y * bn + wn0 + 2 * (lane % 4)
+            for i in range(MI):
+                for j in range(NJ):
+                    for c in range(4):
+                        m = m_base + 16 * i + 8 * (c // 2)
+                        n = n_base + 8 * j + c % 2
+                        if m < out.shape[0] and n < out.shape[1]:
+                            out[m, n] = acc[i, j, c]
 
     gemm_pipelined_kernel.threads = THREADS
     return gemm_pipelined_kernel
@@ -301,24 +339,29 @@ def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
 
 
 def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | None = None,
-                   bf16_inputs: bool = False):
+                   bf16_inputs: bool = False, gated: bool = False):
     """out = x @ W^T: bf16_planes(x) into workspace, then the pipelined kernel. x (M, K) float32 and weight
     (N, K) uint16 C-contiguous with K % 8 == 0; out (M, N) float32; workspace (>= workspace_size(M, K),)
-    uint16. tile: by default SIM_TILE in the simulator, else PipelinedTile()."""
+    uint16. tile: by default SIM_TILE in the simulator, else PipelinedTile().
+    gated: W is [gate; up] (N = 2F rows) and out (M, F) <- silu(x @ gate^T) * (x @ up^T) (the module
+    docstring); twin reference.matmul.gated_matmul."""
     M, K = x.shape
     N = weight.shape[0]
+    cols = N // 2 if gated else N
     if weight.dtype != np.uint16 or tuple(weight.shape) != (N, K) or not weight.is_c_contiguous():
         raise ValueError(f"gemm_pipelined: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
                          f"{tuple(weight.shape)}")
+    if gated and N % 2:
+        raise ValueError(f"gemm_pipelined: a gated weight is [gate; up], an even number of rows, got {N}")
     if K % CHUNK:
         raise ValueError(f"gemm_pipelined: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
-    if out.dtype != np.float32 or tuple(out.shape) != (M, N):
-        raise ValueError(f"gemm_pipelined: out must be float32 ({M}, {N}), got {out.dtype} {tuple(out.shape)}")
+    if out.dtype != np.float32 or tuple(out.shape) != (M, cols):
+        raise ValueError(f"gemm_pipelined: out must be float32 ({M}, {cols}), got {out.dtype} {tuple(out.shape)}")
     bf16_planes(x, workspace, stream, bf16_inputs)
     if M == 0 or N == 0:
         return
     tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
-    kernel = _gemm_kernel(*tile, pieces(bf16_inputs))
+    kernel = _gemm_kernel(*tile, pieces(bf16_inputs), bool(gated))
     nbytes = shared_bytes(tile, bf16_inputs)
-    launch(kernel, (_cdiv(M, tile.bm), _cdiv(N, tile.bn)), kernel.threads, stream, workspace, view(weight, (N * K,)),
-           out, np.int64(K), shared=nbytes)
+    grid = (_cdiv(M, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn))
+    launch(kernel, grid, kernel.threads, stream, workspace, view(weight, (N * K,)), out, np.int64(K), shared=nbytes)

@@ -73,7 +73,8 @@ Versions:
    several loads per row in flight per lane and, for few rows, K split over the warps of a block (the
    first version, GemvConfig(), issued one load per row at a time: 1.6-2.5x slower on the 1B weights of
    fewer than 8192 rows, gemv_config's docstring). With the gated epilogue, gate/up and SiLU*mul are one
-   kernel (`gated_matmul`, which falls back to matmul + activation.silu_and_mul above decode sizes).
+   kernel (`gated_matmul`; above decode sizes gemm_pipelined's gated epilogue where matmul would take
+   gemm_pipelined, else matmul + activation.silu_and_mul).
    With the RoPE epilogue the QKV projection, RoPE and the KV-cache write are one kernel
    (`matmul_rope_kv_write`, which falls back to matmul + rope.rope_kv_write above decode sizes).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
@@ -1087,10 +1088,15 @@ def uses_gemv(m: int, n: int) -> bool:
 
 def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, workspace=None):
     """out (M, F) <- silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K): at decode sizes
-    one gemv with the SiLU*mul in its epilogue, else matmul into scratch (at least (M, 2F) float32) and
-    activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
+    one gemv with the SiLU*mul in its epilogue; where matmul would take gemm_pipelined (given a planes
+    workspace), gemm_pipelined with the same epilogue; else matmul into scratch (at least (M, 2F) float32)
+    and activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
     if uses_gemv(x.shape[0], weight.shape[0]):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs, gated=True)
+    elif workspace is not None and uses_pipelined(x.shape[0], weight.shape[0], x.shape[1]):
+        M, N, K = _check_args(x, weight, out, gated=True)
+        gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
+                                      tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs))
     else:
         gate_up = _rows(scratch, x.shape[0])
         matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs, workspace=workspace)

@@ -209,13 +209,15 @@ def test_gemv_gated(seed, m, fk, x_scale, config, bf16_inputs):
 
 
 @settings(max_examples=pick(4, 8))
-@given(seeds, st.sampled_from(pick([1, 3, 20], [1, 4, 5, 64])), st.booleans())
-def test_gated_matmul_dispatch(seed, m, bf16_inputs):
-    """The engine's entry point: the gated gemv at decode sizes, matmul + silu_and_mul above."""
+@given(seeds, st.sampled_from(pick([1, 3, 20], [1, 4, 5, 64, 200])), st.booleans(), st.booleans())
+def test_gated_matmul_dispatch(seed, m, bf16_inputs, with_workspace):
+    """The engine's entry point: the gated gemv at decode sizes; above, gemm_pipelined's gated epilogue when
+    given a planes workspace (on the GPU from 64 rows of the 1B gate/up), else matmul + silu_and_mul."""
     f, k = pick((6, 40), (8192, 2048))
     x, w = make_inputs(seed, m, 2 * f, k)
-    out, scratch = stale_out(m, f), device_empty((64, 2 * f), np.float32)
-    mm.gated_matmul(to_device(x), to_device(w), out, scratch, bf16_inputs=bf16_inputs)
+    out, scratch = stale_out(m, f), device_empty((m, 2 * f), np.float32)
+    workspace = device_empty(gp.workspace_size(m, k, bf16_inputs), np.uint16) if with_workspace else None
+    mm.gated_matmul(to_device(x), to_device(w), out, scratch, bf16_inputs=bf16_inputs, workspace=workspace)
     check_gated(out, x, w, bf16_inputs)
 
 
@@ -720,6 +722,23 @@ def test_gemm_pipelined(tile, seed, m, nk, x_scale, w_scale, bf16_inputs):
     check(run_pipelined(x, w, tile, bf16_inputs), x, w, bf16_inputs)
 
 
+@pytest.mark.parametrize("tile", PIPELINED_TILES, ids=lambda t: "x".join(map(str, t)))
+@settings(max_examples=pick(3, 6))
+@given(seeds, sizes(40, [64, 256, 1024], 1100), gated_shapes, x_scales, st.booleans())
+def test_gemm_pipelined_gated(tile, seed, m, fk, x_scale, bf16_inputs):
+    """The SiLU*mul epilogue: features not a multiple of a block's BN / 2 (nor of a warp's WN / 2), so the
+    last block stages gate and up rows past F as zeros and stores nothing for them; |x| up to 3e15, where
+    silu saturates or flushes to -0."""
+    f, k = fk
+    k = 8 * -(-k // 8)
+    m = cap_m(m, 2 * f, k)
+    x, w = make_inputs(seed, m, 2 * f, k, x_scale)
+    out = stale_out(m, f)
+    workspace = device_empty(gp.workspace_size(m, k, bf16_inputs), np.uint16)
+    gp.gemm_pipelined(to_device(x), to_device(w), out, workspace, tile=tile, bf16_inputs=bf16_inputs, gated=True)
+    check_gated(out, x, w, bf16_inputs)
+
+
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 def test_gemm_pipelined_keeps_infinity_and_confines_nan(bf16_inputs):
     """An infinite x stays in its row (all of it in the hi plane); a NaN weight spoils only its column."""
@@ -746,6 +765,11 @@ def test_gemm_pipelined_rejects_bad_arguments():
         gp.gemm_pipelined(x, device_empty((6, 16), np.float32), out, workspace)
     with pytest.raises(ValueError, match=r"out must be float32 \(4, 6\), got float32 \(4, 5\)"):
         gp.gemm_pipelined(x, w, device_empty((4, 5), np.float32), workspace)
+    with pytest.raises(ValueError, match=r"out must be float32 \(4, 3\), got float32 \(4, 6\)"):
+        gp.gemm_pipelined(x, w, out, workspace, gated=True)
+    with pytest.raises(ValueError, match=r"a gated weight is \[gate; up\], an even number of rows, got 5"):
+        gp.gemm_pipelined(x, device_empty((5, 16), np.uint16), device_empty((4, 2), np.float32), workspace,
+                          gated=True)
     with pytest.raises(ValueError, match=r"tile \(16, 16, 24, 16, 16, 2, 0\): need bk, wm, wn multiples of 16"):
         gp.gemm_pipelined(x, w, out, workspace, tile=gp.PipelinedTile(16, 16, 24, 16, 16, 2))
     with pytest.raises(ValueError, match=r"stages >= 2"):
