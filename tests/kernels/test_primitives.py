@@ -1,0 +1,56 @@
+"""cuda_kernels/primitives.py's bf16 narrowing on its own: f32_to_bf16 and round_bf16 against reference/bf16.py,
+bit for bit, on any fp32 bit pattern (NaNs of either sign and any payload, infinities, subnormals, the
+largest finites that round up to infinity, exact ties) as well as random ones.
+
+Every kernel that writes the KV cache or takes bf16 matmul inputs goes through these two helpers, so they get
+a test of their own that walks the corners the kernel tests hit only by chance.
+"""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_support import device_empty, pick, to_device
+from numba import cuda
+
+from cuda_kernels.primitives import f32_to_bf16, round_bf16
+from reference.bf16 import f32_to_bf16 as reference_f32_to_bf16
+from reference.bf16 import round_to_bf16
+
+CORNERS = np.array([
+    0x00000000, 0x80000000,              # +-0
+    0x00000001, 0x807FFFFF, 0x00008000,  # subnormals (the last a tie that rounds to 0)
+    0x3F808000, 0x3F818000,              # ties on an even and an odd bf16 mantissa
+    0x3F807FFF, 0x3F808001,              # just below and above a tie
+    0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF,  # largest finites: kept, a tie, rounded up to infinity
+    0xFF7FFFFF,                          # its negative: rounds to -inf
+    0x7F800000, 0xFF800000,              # +-inf
+    0x7F800001, 0x7FBFFFFF, 0x7FC00000,  # NaNs: signalling (low payload, full payload) and quiet
+    0xFFFFFFFF, 0xFF800001, 0xFFC00000,  # negative NaNs (the rounding carry would wrap 32 bits)
+], np.uint32)
+
+
+@cuda.jit
+def narrow_kernel(x, bits, rounded):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        bits[i] = f32_to_bf16(x[i])
+        rounded[i] = round_bf16(x[i])
+
+
+def check_patterns(patterns: np.ndarray):
+    x = patterns.astype(np.uint32).view(np.float32)
+    bits, rounded = device_empty(x.shape, np.uint16), device_empty(x.shape, np.float32)
+    narrow_kernel[-(-x.size // 32), 32](to_device(x), bits, rounded)
+    want = reference_f32_to_bf16(x)
+    np.testing.assert_array_equal(bits.copy_to_host(), want)
+    np.testing.assert_array_equal(rounded.copy_to_host().view(np.uint32), round_to_bf16(x).view(np.uint32))
+
+
+def test_corners_match_the_reference_bit_for_bit():
+    check_patterns(CORNERS)
+
+
+@settings(max_examples=pick(10, 40))
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=pick(32, 4096)))
+def test_any_pattern_matches_the_reference_bit_for_bit(patterns):
+    check_patterns(np.array(patterns, np.uint64).astype(np.uint32))
