@@ -113,7 +113,7 @@ from numba import cuda, float32, int64, uint32, uint64
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
-from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, warp_sum
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, round_bf16_pair, warp_sum
 
 # Largest M that the engine's matmul sends to gemv (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or
 # more); above it gemm_tc. NOTE: measured on the H200, cold weights: at M = 8 gemv beat gemm_tc's skinny
@@ -375,7 +375,8 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                     x2 = x[mi, k + 2]
                     x3 = x[mi, k + 3]
                     if bf16_inputs:
-                        x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
+                        x0, x1 = round_bf16_pair(x0, x1)
+                        x2, x3 = round_bf16_pair(x2, x3)
                     for r in range(R):
                         w0, w1 = _low_pair(wv[u * R + r])
                         w2, w3 = _high_pair(wv[u * R + r])
@@ -398,7 +399,8 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                 mi = min(m0 + mm, M - 1)
                 x0, x1, x2, x3 = x[mi, k], x[mi, k + 1], x[mi, k + 2], x[mi, k + 3]
                 if bf16_inputs:
-                    x0, x1, x2, x3 = round_bf16(x0), round_bf16(x1), round_bf16(x2), round_bf16(x3)
+                    x0, x1 = round_bf16_pair(x0, x1)
+                    x2, x3 = round_bf16_pair(x2, x3)
                 for r in range(R):
                     w0, w1 = _low_pair(wv[r])
                     w2, w3 = _high_pair(wv[r])

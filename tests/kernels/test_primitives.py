@@ -1,5 +1,6 @@
-"""cuda_kernels/primitives.py's bf16 narrowing on its own: f32_to_bf16 and round_bf16 against reference/bf16.py,
-bit for bit, on any fp32 bit pattern (NaNs of either sign and any payload, infinities, subnormals, the
+"""cuda_kernels/primitives.py's bf16 narrowing on its own: f32_to_bf16, round_bf16 and round_bf16_pair against
+reference/bf16.py, bit for bit (round_bf16_pair: NaN only as NaN, its payload is the hardware's), on any fp32 bit
+pattern (NaNs of either sign and any payload, infinities, subnormals, the
 largest finites that round up to infinity, exact ties) as well as random ones.
 
 Every kernel that writes the KV cache or takes bf16 matmul inputs goes through these two helpers, so they get
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from kernel_support import device_empty, pick, to_device
 from numba import cuda
 
-from cuda_kernels.primitives import f32_to_bf16, round_bf16
+from cuda_kernels.primitives import f32_to_bf16, round_bf16, round_bf16_pair
 from reference.bf16 import f32_to_bf16 as reference_f32_to_bf16
 from reference.bf16 import round_to_bf16
 
@@ -30,20 +31,29 @@ CORNERS = np.array([
 
 
 @cuda.jit
-def narrow_kernel(x, bits, rounded):
+def narrow_kernel(x, bits, rounded, pairs):
+    """Thread i: f32_to_bf16 and round_bf16 of x[i], and round_bf16_pair of (x[i], x[i + 1 mod n])."""
     i = cuda.grid(1)
-    if i < x.shape[0]:
+    n = x.shape[0]
+    if i < n:
         bits[i] = f32_to_bf16(x[i])
         rounded[i] = round_bf16(x[i])
+        pairs[i, 0], pairs[i, 1] = round_bf16_pair(x[i], x[(i + 1) % n])
 
 
 def check_patterns(patterns: np.ndarray):
     x = patterns.astype(np.uint32).view(np.float32)
     bits, rounded = device_empty(x.shape, np.uint16), device_empty(x.shape, np.float32)
-    narrow_kernel[-(-x.size // 32), 32](to_device(x), bits, rounded)
-    want = reference_f32_to_bf16(x)
-    np.testing.assert_array_equal(bits.copy_to_host(), want)
-    np.testing.assert_array_equal(rounded.copy_to_host().view(np.uint32), round_to_bf16(x).view(np.uint32))
+    pairs = device_empty((x.size, 2), np.float32)
+    narrow_kernel[-(-x.size // 32), 32](to_device(x), bits, rounded, pairs)
+    want = round_to_bf16(x)
+    np.testing.assert_array_equal(bits.copy_to_host(), reference_f32_to_bf16(x))
+    np.testing.assert_array_equal(rounded.copy_to_host().view(np.uint32), want.view(np.uint32))
+    got = pairs.copy_to_host()
+    for column, expected in enumerate((want, np.roll(want, -1))):
+        nan = np.isnan(expected)
+        np.testing.assert_array_equal(np.isnan(got[:, column]), nan)
+        np.testing.assert_array_equal(got[~nan, column].view(np.uint32), expected[~nan].view(np.uint32))
 
 
 def test_corners_match_the_reference_bit_for_bit():
