@@ -43,13 +43,19 @@ rows of its WN / 2 features followed by the up rows of the same features. So n8 
 holds gate columns and tile j + NJ / 2 the up columns of the same features, in the same lanes and
 registers: the epilogue pairs acc[i, j] with acc[i, j + NJ / 2] without any exchange.
 
+Planes out (``gemm_planes`` / ``gemm_pipelined`` given a uint16 out of (P * M, cols)): the epilogue writes
+each result as its P bf16 planes (rounded, or the bf16x3 split; plane p in rows p * M ..), the layout
+bf16_planes writes, so a GEMM that multiplies the result next (matmul.mlp: the down projection after the
+gated gate/up) reads it as its x planes: no float32 intermediate and no conversion kernel between them.
+
 Shared memory: STAGES * (P * BM + BN) * (BK + 8) * 2 bytes, dynamic, opted in above 48 KB per kernel
 (by cuda_kernels/launch.py). NOTE: the 8 bf16 of padding make a row 16 bytes longer than BK, so the 8 rows
 one ldmatrix matrix reads fall in 8 different 16-byte bank groups (row stride 80 or 144 bytes): conflict-free.
 
 Versions (continuing matmul.py's list): 6. this kernel, for prefill and large batches on the GPU (matmul
 sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest); its gated
-epilogue (matmul.gated_matmul) replaced gemm + activation.silu_and_mul there.
+epilogue (matmul.gated_matmul) replaced gemm + activation.silu_and_mul there, and its planes output the
+conversion of the MLP's activation (matmul.mlp).
 """
 
 from __future__ import annotations
@@ -169,8 +175,9 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_blocks: int, planes_per_x: int,
-                 gated: bool = False):
-    """The kernel for one tile, number of x planes and epilogue (see the module docstring for the mapping)."""
+                 gated: bool = False, planes_out: bool = False):
+    """The kernel for one tile, number of x planes and epilogue (see the module docstring for the mapping);
+    planes_out: out is uint16 (P * M, cols), the P bf16 planes of the result, else float32 (M, cols)."""
     tile = PipelinedTile(bm, bn, bk, wm, wn, stages, min_blocks)
     if bk % 16 or wm % 16 or wn % 16 or bm % wm or bn % wn or stages < 2 or min_blocks < 0:
         raise ValueError(f"gemm_pipelined tile {tuple(tile)}: need bk, wm, wn multiples of 16, bm % wm == bn % wn "
@@ -189,6 +196,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
     STAGE = (A_ROWS + bn) * LD    # bf16 per stage
     MI, NJ, S = wm // 16, wn // 8, bk // 16
     HALF_WN = wn // 2             # gated: features per warp (its gate rows, then its up rows)
+    P_OUT = P if planes_out else 1  # row blocks of out: one per plane
     wait_for_slab = cp_async_wait(stages - 2)
     options = {"launch_bounds": (THREADS, min_blocks)} if min_blocks and not SIMULATOR else {}
 
@@ -203,11 +211,26 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
         f = cuda.blockIdx.y * (bn // 2) + (r // wn) * HALF_WN + r % HALF_WN
         return f + ((r % wn) // HALF_WN) * cols, f < cols
 
+    @cuda.jit(device=True, inline=True)
+    def store(out, m, n, v):
+        """Write result v of (m, n): as it is, or as its P bf16 planes, piece p at row p * M + m (the layout
+        bf16_planes writes, so the next GEMM reads out as its x planes)."""
+        if not planes_out:
+            out[m, n] = v
+        elif P == 1:
+            out[m, n] = f32_to_bf16(v)
+        else:
+            M = out.shape[0] // P_OUT
+            hi, mid, lo = split_bf16x3(v)
+            out[m, n] = uint16(hi)
+            out[M + m, n] = uint16(mid)
+            out[2 * M + m, n] = uint16(lo)
+
     @cuda.jit(device=True)
     def staging_map(out, K, amap, bmap):
         """This thread's chunks: map[e] = (offset in a stage, flat global offset at k = 0 or -1 for a row
         past M or N, the chunk's k within the slab); offset -1 for no chunk e."""
-        M = out.shape[0]
+        M = out.shape[0] // P_OUT
         m0 = cuda.blockIdx.x * bm
         for e in range(A_PER):
             c = cuda.threadIdx.x + THREADS * e
@@ -244,8 +267,8 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
 
     @cuda.jit(**options)
     def gemm_pipelined_kernel(planes, w, out, K):
-        """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, N) f32, gated (M, N / 2); K the shared
-        dimension."""
+        """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, cols) f32 or, planes_out, (P * M, cols)
+        u16, cols = N or, gated, N / 2; K the shared dimension."""
         sh = cuda.shared.array(0, uint16)
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
@@ -292,6 +315,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
 
         m_base = cuda.blockIdx.x * bm + wm0 + lane // 4
+        M = out.shape[0] // P_OUT
         if gated:
             # tile j holds gate and tile j + NJ / 2 up for features f_base + 8 j + (0, 1) (weight_row)
             f_base = cuda.blockIdx.y * (bn // 2) + (warp % WARPS_N) * HALF_WN + 2 * (lane % 4)
@@ -300,8 +324,8 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                     for c in range(4):
                         m = m_base + 16 * i + 8 * (c // 2)
                         f = f_base + 8 * j + c % 2
-                        if m < out.shape[0] and f < out.shape[1]:
-                            out[m, f] = silu(acc[i, j, c]) * acc[i, j + NJ // 2, c]
+                        if m < M and f < out.shape[1]:
+                            store(out, m, f, silu(acc[i, j, c]) * acc[i, j + NJ // 2, c])
         else:
             n_base = cuda.blockIdx.y * bn + wn0 + 2 * (lane % 4)
             for i in range(MI):
@@ -309,8 +333,8 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                     for c in range(4):
                         m = m_base + 16 * i + 8 * (c // 2)
                         n = n_base + 8 * j + c % 2
-                        if m < out.shape[0] and n < out.shape[1]:
-                            out[m, n] = acc[i, j, c]
+                        if m < M and n < out.shape[1]:
+                            store(out, m, n, acc[i, j, c])
 
     gemm_pipelined_kernel.threads = THREADS
     return gemm_pipelined_kernel
@@ -340,28 +364,56 @@ def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
 
 def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | None = None,
                    bf16_inputs: bool = False, gated: bool = False):
-    """out = x @ W^T: bf16_planes(x) into workspace, then the pipelined kernel. x (M, K) float32 and weight
-    (N, K) uint16 C-contiguous with K % 8 == 0; out (M, N) float32; workspace (>= workspace_size(M, K),)
-    uint16. tile: by default SIM_TILE in the simulator, else PipelinedTile().
+    """out = x @ W^T: bf16_planes(x) into workspace, then the pipelined kernel (as gemm_planes). x (M, K)
+    float32 and weight (N, K) uint16 C-contiguous with K % 8 == 0; out (M, N) float32, or the planes of the
+    result (see gemm_planes); workspace (>= workspace_size(M, K),) uint16. tile: by default SIM_TILE in the
+    simulator, else PipelinedTile().
     gated: W is [gate; up] (N = 2F rows) and out (M, F) <- silu(x @ gate^T) * (x @ up^T) (the module
     docstring); twin reference.matmul.gated_matmul."""
-    M, K = x.shape
-    N = weight.shape[0]
+    if tuple(weight.shape[1:]) != tuple(x.shape[1:]):
+        raise ValueError(f"gemm_pipelined: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree on K")
+    launch_args = _gemm_launch(workspace, x.shape[0], weight, out, tile, bf16_inputs, gated)
+    bf16_planes(x, workspace, stream, bf16_inputs)
+    if launch_args:
+        kernel, grid, args, nbytes = launch_args
+        launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes)
+
+
+def gemm_planes(planes, m: int, weight, out, stream=0, tile: PipelinedTile | None = None, bf16_inputs: bool = False,
+                gated: bool = False):
+    """out = x @ W^T (or gated, as gemm_pipelined) for an x (m, K) given as its bf16 planes (uint16, at least
+    workspace_size(m, K); what bf16_planes writes). out is float32 (m, cols), or uint16 (P * m, cols): the P
+    bf16 planes of the result (P = pieces(bf16_inputs); plane p in rows p * m ..), which is the planes
+    input of a GEMM that multiplies the result next (cols = N, or N / 2 gated)."""
+    launch_args = _gemm_launch(planes, m, weight, out, tile, bf16_inputs, gated)
+    if launch_args:
+        kernel, grid, args, nbytes = launch_args
+        launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes)
+
+
+def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bool):
+    """Check the arguments of gemm_planes; (kernel, grid, kernel arguments, shared bytes), or None when there
+    is nothing to compute."""
+    N, K = weight.shape
     cols = N // 2 if gated else N
-    if weight.dtype != np.uint16 or tuple(weight.shape) != (N, K) or not weight.is_c_contiguous():
+    p = pieces(bf16_inputs)
+    if weight.dtype != np.uint16 or not weight.is_c_contiguous():
         raise ValueError(f"gemm_pipelined: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     if gated and N % 2:
         raise ValueError(f"gemm_pipelined: a gated weight is [gate; up], an even number of rows, got {N}")
     if K % CHUNK:
         raise ValueError(f"gemm_pipelined: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
-    if out.dtype != np.float32 or tuple(out.shape) != (M, cols):
-        raise ValueError(f"gemm_pipelined: out must be float32 ({M}, {cols}), got {out.dtype} {tuple(out.shape)}")
-    bf16_planes(x, workspace, stream, bf16_inputs)
-    if M == 0 or N == 0:
-        return
+    if planes.dtype != np.uint16 or len(planes.shape) != 1 or planes.shape[0] < p * m * K:
+        raise ValueError(f"gemm_pipelined: planes must be a 1-D uint16 workspace of at least {p * m * K} elements, "
+                         f"got {planes.dtype} {tuple(planes.shape)}")
+    planes_out = out.dtype == np.uint16
+    if out.dtype not in (np.float32, np.uint16) or tuple(out.shape) != ((p * m, cols) if planes_out else (m, cols)):
+        raise ValueError(f"gemm_pipelined: out must be float32 ({m}, {cols}) or its uint16 planes ({p * m}, {cols}), "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if m == 0 or N == 0:
+        return None
     tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
-    kernel = _gemm_kernel(*tile, pieces(bf16_inputs), bool(gated))
-    nbytes = shared_bytes(tile, bf16_inputs)
-    grid = (_cdiv(M, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn))
-    launch(kernel, grid, kernel.threads, stream, workspace, view(weight, (N * K,)), out, np.int64(K), shared=nbytes)
+    kernel = _gemm_kernel(*tile, p, bool(gated), planes_out)
+    grid = (_cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn))
+    return kernel, grid, (planes, view(weight, (N * K,)), out, np.int64(K)), shared_bytes(tile, bf16_inputs)

@@ -97,6 +97,7 @@ Versions:
 6. gemm_pipelined (cuda_kernels/gemm_pipelined.py): x converted once into bf16 planes, then both operands
    streamed into shared memory by cp.async several K slabs ahead, fragments loaded with ldmatrix (no
    register staging): up to 2.7x gemm_tc with bf16 inputs and 1.6x in fp32 mode at M = 256 (BENCHMARKS.md).
+   With its gated epilogue writing bf16 planes, `mlp` runs the whole MLP at prefill sizes as two GEMMs.
 """
 
 from __future__ import annotations
@@ -1103,6 +1104,26 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
         gate_up = _rows(scratch, x.shape[0])
         matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs, workspace=workspace)
         activation.silu_and_mul(gate_up, out, stream)
+
+
+def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False, workspace=None, act_planes=None):
+    """The gated MLP: out (M, H) <- act @ down^T, act = silu(x @ gate^T) * (x @ up^T) (M, F), for the fused
+    [gate; up] (2F, H) and down (H, F). Where both GEMMs run on gemm_pipelined (given the planes workspace
+    for x and act_planes, uint16 (P * M, F) with P = gemm_pipelined.pieces(bf16_inputs)), the gated GEMM
+    writes act straight as the bf16 planes the down GEMM multiplies: act never exists in fp32 and no planes
+    conversion runs between the two (act itself is not written). Else gated_matmul into act (at least
+    (M, F) float32, scratch as gated_matmul takes it), then matmul. Twin: reference.matmul.mlp."""
+    M, N, K = _check_args(x, gate_up, None)
+    if (workspace is not None and act_planes is not None and uses_pipelined(M, N, K)
+            and uses_pipelined(M, down.shape[0], down.shape[1])):
+        planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
+        gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
+                                      tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs))
+        gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs,
+                                   tile=gemm_pipelined.pipelined_tile(M, *down.shape, bf16_inputs))
+    else:
+        gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace)
+        matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace)
 
 
 def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,

@@ -45,6 +45,11 @@ def gated_matmul(x: np.ndarray, weight: np.ndarray, bf16_inputs: bool = False) -
     return silu_and_mul(matmul(x, weight, bf16_inputs))
 
 
+def mlp(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, bf16_inputs: bool = False) -> np.ndarray:
+    """The gated MLP: gated_matmul(x, [gate; up]) @ down^T -> (M, H) float32."""
+    return matmul(gated_matmul(x, gate_up, bf16_inputs), down, bf16_inputs)
+
+
 def matmul_rope_kv_write(x: np.ndarray, weight: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                          k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray, num_heads: int,
                          bf16_inputs: bool = False) -> np.ndarray:

@@ -9,10 +9,10 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
 2. runs the layer loop: embedding -> per layer [RMSNorm (fused with the residual add after the first layer)
    -> QKV matmul + RoPE + KV-cache write (one gemv at decode sizes) -> attention (paged decode when every
    sequence has one new token, flash-style prefill otherwise, on tensor cores when the head size allows)
-   -> O matmul -> residual + RMSNorm -> gate/up matmul + SiLU*mul (one gemv at decode sizes) -> down
-   matmul] -> final residual + RMSNorm -> gather of the sampled rows -> LM head on those rows only; most of
-   these kernels are launched with programmatic dependent launch (cuda_kernels/pdl.py), so each starts
-   while the one before it finishes;
+   -> O matmul -> residual + RMSNorm -> gate/up matmul + SiLU*mul (one gemv at decode sizes; at prefill
+   sizes written as the down GEMM's bf16 planes, matmul.mlp) -> down matmul] -> final residual + RMSNorm
+   -> gather of the sampled rows -> LM head on those rows only; most of these kernels are launched with
+   programmatic dependent launch (cuda_kernels/pdl.py), so each starts while the one before it finishes;
 3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
@@ -99,6 +99,8 @@ class CUDARunner:
         # x's bf16 planes for gemm_pipelined (prefill and large batches), for the widest matmul input
         self.planes = empty(gemm_pipelined.workspace_size(t, max(c.hidden_size, c.q_size, c.intermediate_size),
                                                           self.bf16_inputs), np.uint16)
+        # the MLP's act as the down projection's planes, written by the gate/up GEMM (matmul.mlp)
+        self.act_planes = empty((gemm_pipelined.pieces(self.bf16_inputs) * t, c.intermediate_size), np.uint16)
         self.last = empty((s, c.hidden_size), f32)
         self.logits = empty((s, c.vocab_size), f32)
         self.tokens = empty(s, np.int32)                  # the last launched step's samples
@@ -223,9 +225,8 @@ class CUDARunner:
                                        self.scale, attn, max_q_len, stream)
             mm(p["attn_rows"], layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
-            matmul.gated_matmul(h, layer["gate_up"], act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
-                                workspace=self.planes)
-            mm(act, layer["down"], sub, stream)
+            matmul.mlp(h, layer["gate_up"], layer["down"], sub, act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
+                       workspace=self.planes, act_planes=p["act_planes"])
         if n == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
@@ -248,6 +249,7 @@ class CUDARunner:
         p = self._prefix_cache[t, n] = {name: getattr(self, name)[:t]
                                          for name in ("x", "h", "sub", "q", "attn", "act", "qkv", "gate_up")}
         p["attn_rows"] = p["attn"].reshape(t, self.config.q_size)
+        p["act_planes"] = self.act_planes[:gemm_pipelined.pieces(self.bf16_inputs) * t]
         p.update({name: getattr(self, name)[:n] for name in ("last", "logits", "tokens")})
         return p
 

@@ -4,10 +4,10 @@
                                      [--matmul-precision fp32 bf16] [--runs 3] [--reps 10]
 
 For each matmul precision: an engine (prefix caching off, so a repeated prompt is prefilled again) takes one
-random prompt with max_tokens=1. First the plain time to first token, best of five after two warm-up runs,
+random prompt with max_tokens=1. First the plain time to first token, best of five after a warm-up run,
 measured by tools/bench.py's own tv_prefill, and the Python time of issuing the step's launches (the
 runner's forward call, timed without a synchronize). Then two breakdowns per engine-level launcher the
-runner calls (the fused QKV + RoPE + KV write, attention, gate/up + SiLU, the other matmuls, the norms,
+runner calls (the fused QKV + RoPE + KV write, attention, the MLP, the other matmuls, the norms,
 ...), summed over the layers:
 
 - graph: each launcher's kernels captured into a CUDA graph and replayed (the mean of --reps replays,
@@ -46,8 +46,8 @@ from tinyvllm.cuda_graph import CUDAGraph  # noqa: E402
 from tools.bench import greedy, tv_prefill  # noqa: E402
 
 # (module, function, label): what cuda_runner's step calls; a launcher that calls another is timed once
-LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul, "gated_matmul", "gate/up + SiLU*mul"),
-             (matmul, "matmul", "matmul (O, down, LM head)"), (attention, "prefill_attention_tc", "attention"),
+LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul, "mlp", "MLP (gate/up + SiLU, down)"),
+             (matmul, "matmul", "matmul (O, LM head)"), (attention, "prefill_attention_tc", "attention"),
              (attention, "prefill_attention", "attention"), (rmsnorm, "fused_add_rmsnorm", "add + RMSNorm"),
              (rmsnorm, "rmsnorm", "RMSNorm"), (embedding, "embedding", "embedding"),
              (embedding, "gather_rows", "gather"), (sampling, "argmax", "argmax")]
@@ -191,8 +191,7 @@ def main(argv=None) -> int:
                   gpu_memory_utilization=0.3, enable_prefix_caching=False)
         vocab = min(llm.engine.config.vocab_size, 10000)
         prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
-        tv_prefill(llm, prompt, runs=2)   # compile, warm up
-        ttft = tv_prefill(llm, prompt, runs=5)
+        ttft = tv_prefill(llm, prompt, runs=5)   # after its own untimed prefill, which compiles
         print(f"{precision}: TTFT best {ttft['ttft_ms']:.2f} ms of {[round(t, 2) for t in ttft['runs_ttft_ms']]}")
         print(f"{precision}: Python issues the step's launches in {issue_ms(llm, prompt, 3):.2f} ms")
         if SIMULATOR:

@@ -27,6 +27,7 @@ from reference.matmul import bf16_planes as reference_bf16_planes
 from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
 from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
+from reference.matmul import mlp as reference_mlp
 from reference.rope import rope_tables
 
 
@@ -162,9 +163,10 @@ def test_gemv_passes(seed, config, passes, words, tail, m, n, bf16_inputs):
     check(out, x, w, bf16_inputs)
 
 
-def check_gated(out, x, w, bf16_inputs=False):
-    """out == silu(x @ gate^T) * (x @ up^T), W = [gate; up]: the dot products' summation error carried through
-    silu(g) * u (|silu'(g)| <= 1.1), plus a few ulps for exp, the division and the products."""
+def gated_bound(x, w, bf16_inputs=False):
+    """(reference.gated_matmul(x, W), the elementwise bound on a kernel's error): the dot products' summation
+    error carried through silu(g) * u (|silu'(g)| <= 1.1), plus a few ulps for exp, the division and the
+    products."""
     if bf16_inputs:
         x = round_to_bf16(x)
     f = w.shape[0] // 2
@@ -176,6 +178,12 @@ def check_gated(out, x, w, bf16_inputs=False):
         silu = g / (1 + np.exp(-g))
         want = reference_gated_matmul(x, w)
         bound = 1.1 * tol_g * (np.abs(u) + tol_u) + (np.abs(silu) + 1.1 * tol_g) * tol_u + 8 * F32_EPS * np.abs(want)
+    return want, bound
+
+
+def check_gated(out, x, w, bf16_inputs=False):
+    """out == silu(x @ gate^T) * (x @ up^T), W = [gate; up], within gated_bound."""
+    want, bound = gated_bound(x, w, bf16_inputs)
     got = out.copy_to_host()
     assert got.shape == want.shape
     err = np.abs(got.astype(np.float64) - want)
@@ -739,6 +747,58 @@ def test_gemm_pipelined_gated(tile, seed, m, fk, x_scale, bf16_inputs):
     check_gated(out, x, w, bf16_inputs)
 
 
+@pytest.mark.parametrize("tile", PIPELINED_TILES, ids=lambda t: "x".join(map(str, t)))
+@settings(max_examples=pick(3, 6))
+@given(seeds, sizes(40, [64, 256, 1024], 1100), gated_shapes, st.integers(1, pick(40, 3000)), st.booleans())
+def test_gemm_pipelined_planes_out_feed_the_next_gemm(tile, seed, m, fk, n, bf16_inputs):
+    """The gated GEMM writing its result as bf16 planes (what matmul.mlp does): the planes are exactly
+    reference.bf16_planes of the same kernel's float32 result (the rest of out untouched), and gemm_planes
+    multiplies them as it would that result: act @ W2^T within the summation tolerance."""
+    f, k = (8 * -(-v // 8) for v in fk)
+    m = cap_m(m, 2 * f, k)
+    x, w = make_inputs(seed, m, 2 * f, k)
+    w2 = make_inputs(seed + 1, 1, n, f)[1]
+    workspace = device_empty(gp.workspace_size(m, k, bf16_inputs), np.uint16)
+    act = stale_out(m, f)
+    gp.gemm_pipelined(to_device(x), to_device(w), act, workspace, tile=tile, bf16_inputs=bf16_inputs, gated=True)
+    act = act.copy_to_host()
+    p = gp.pieces(bf16_inputs)
+    planes = to_device(np.full(p * m * f + 8, 0xBEEF, np.uint16))
+    gp.gemm_pipelined(to_device(x), to_device(w), planes[:p * m * f].reshape(p * m, f), workspace, tile=tile,
+                      bf16_inputs=bf16_inputs, gated=True)
+    got = planes.copy_to_host()
+    np.testing.assert_array_equal(got[:p * m * f], reference_bf16_planes(act, bf16_inputs).ravel())
+    assert (got[p * m * f:] == 0xBEEF).all()
+    out = stale_out(m, n)
+    gp.gemm_planes(planes, m, to_device(w2), out, tile=tile, bf16_inputs=bf16_inputs)
+    check(out, act, w2, bf16_inputs)
+
+
+@settings(max_examples=pick(4, 8))
+@given(seeds, st.sampled_from(pick([1, 3, 20], [1, 5, 64, 200, 1024])), st.booleans())
+def test_mlp_dispatch(seed, m, bf16_inputs):
+    """matmul.mlp, the engine's MLP, against reference.mlp: on the GPU, from 128 rows, act only as bf16
+    planes between the two GEMMs; below, and in the simulator, gated_matmul into act, then matmul. Bound:
+    the gated product's own (gated_bound) and, with bf16 inputs, one bf16 step of act (a summation-order
+    difference can flip its rounding), carried through |W2|, plus the down product's summation error."""
+    f, h = pick((16, 24), (8192, 2048))
+    x, w = make_inputs(seed, m, 2 * f, h)
+    w2 = make_inputs(seed + 1, 1, h, f)[1]
+    act_want, act_bound = gated_bound(x, w, bf16_inputs)
+    if bf16_inputs:
+        act_bound = act_bound + 2.0 ** -8 * (np.abs(act_want) + act_bound)
+    abs_w2 = np.abs(bf16_to_f32(w2)).astype(np.float64)
+    bound = act_bound @ abs_w2.T + dot_tolerance(f, np.abs(act_want) @ abs_w2.T)
+    want = reference_mlp(x, w, w2, bf16_inputs)
+    p = gp.pieces(bf16_inputs)
+    out, act = stale_out(m, h), stale_out(m, f)
+    mm.mlp(to_device(x), to_device(w), to_device(w2), out, act, device_empty((m, 2 * f), np.float32),
+           bf16_inputs=bf16_inputs, workspace=device_empty(gp.workspace_size(m, h, bf16_inputs), np.uint16),
+           act_planes=device_empty((p * m, f), np.uint16))
+    err = np.abs(out.copy_to_host().astype(np.float64) - want)
+    assert (err <= bound + 2 * F32_EPS * np.abs(want)).all(), f"worst excess {np.max(err - bound)}"
+
+
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 def test_gemm_pipelined_keeps_infinity_and_confines_nan(bf16_inputs):
     """An infinite x stays in its row (all of it in the hi plane); a NaN weight spoils only its column."""
@@ -763,10 +823,16 @@ def test_gemm_pipelined_rejects_bad_arguments():
         gp.gemm_pipelined(x, w, out, device_empty(191, np.uint16))
     with pytest.raises(ValueError, match=r"weight must be C-contiguous uint16 \(6, 16\), got float32"):
         gp.gemm_pipelined(x, device_empty((6, 16), np.float32), out, workspace)
-    with pytest.raises(ValueError, match=r"out must be float32 \(4, 6\), got float32 \(4, 5\)"):
+    with pytest.raises(ValueError, match=r"out must be float32 \(4, 6\) or its uint16 planes \(12, 6\), got "
+                                         r"float32 \(4, 5\)"):
         gp.gemm_pipelined(x, w, device_empty((4, 5), np.float32), workspace)
-    with pytest.raises(ValueError, match=r"out must be float32 \(4, 3\), got float32 \(4, 6\)"):
+    with pytest.raises(ValueError, match=r"out must be float32 \(4, 3\) or its uint16 planes \(12, 3\), got "
+                                         r"float32 \(4, 6\)"):
         gp.gemm_pipelined(x, w, out, workspace, gated=True)
+    with pytest.raises(ValueError, match=r"or its uint16 planes \(4, 6\), got uint16 \(12, 6\)"):
+        gp.gemm_pipelined(x, w, device_empty((12, 6), np.uint16), workspace, bf16_inputs=True)
+    with pytest.raises(ValueError, match=r"planes must be a 1-D uint16 workspace of at least 64 elements"):
+        gp.gemm_planes(device_empty(63, np.uint16), 4, w, out, bf16_inputs=True)
     with pytest.raises(ValueError, match=r"a gated weight is \[gate; up\], an even number of rows, got 5"):
         gp.gemm_pipelined(x, device_empty((5, 16), np.uint16), device_empty((4, 2), np.float32), workspace,
                           gated=True)
