@@ -238,6 +238,9 @@ def tv_latency(llm, prompt: list[int], new_tokens: int, runs: int) -> dict:
 
 
 def tv_prefill(llm, prompt: list[int], runs: int) -> dict:
+    """TTFT of `prompt`, best of `runs` after one untimed prefill of it: the tile policies pick kernels by the
+    number of tokens, so warm_up's prompts, of other lengths, may not have compiled this one's."""
+    llm.generate([prompt], [greedy(1)], use_tqdm=False)
     ttfts = []
     for _ in range(runs):
         out = llm.generate([prompt], [greedy(1)], use_tqdm=False)[0]
