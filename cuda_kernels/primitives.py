@@ -127,6 +127,7 @@ def round_bf16(x):
 if SIMULATOR:
     @cuda.jit(device=True)
     def round_bf16_pair(a, b):
+        """(round_bf16(a), round_bf16(b)): the GPU version's results (@intrinsic raises in the simulator)."""
         return round_bf16(a), round_bf16(b)
 else:
     from llvmlite import ir
@@ -146,15 +147,12 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def round_bf16_pair(a, b):
+        """(round_bf16(a), round_bf16(b)) for finite and infinite a, b; a NaN stays a NaN (its payload is the
+        conversion's, not f32_to_bf16's). One hardware conversion (cvt.rn.bf16x2.f32: round to nearest even,
+        subnormals kept) rounds both, where round_bf16 takes about nine integer instructions each: the
+        bf16-input gemv rounds every x it reads with it."""
         packed = _cvt_rn_bf16x2(float32(a), float32(b))
         return bf16_to_f32(packed >> uint32(16)), bf16_to_f32(packed & uint32(0xFFFF))
-
-
-round_bf16_pair.__doc__ = """(round_bf16(a), round_bf16(b)) for finite and infinite a, b; a NaN stays a NaN
-    (on the GPU its payload is the conversion's, not f32_to_bf16's). On the GPU one hardware conversion
-    (cvt.rn.bf16x2.f32, round to nearest even, subnormals kept) rounds both, where round_bf16 takes about
-    nine integer instructions each: the bf16-input gemv rounds every x it reads with it. The simulator
-    (where @intrinsic raises) calls round_bf16 twice."""
 
 
 @cuda.jit(device=True)
