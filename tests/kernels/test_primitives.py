@@ -1,10 +1,10 @@
 """cuda_kernels/primitives.py's bf16 narrowing on its own: f32_to_bf16, round_bf16 and round_bf16_pair against
-reference/bf16.py, bit for bit (round_bf16_pair: NaN only as NaN, its payload is the hardware's), on any fp32 bit
-pattern (NaNs of either sign and any payload, infinities, subnormals, the
-largest finites that round up to infinity, exact ties) as well as random ones.
+reference/bf16.py, bit for bit (round_bf16_pair: NaN only as NaN, its payload is the hardware's), on the corner
+bit patterns (NaNs of either sign and any payload, infinities, subnormals, the largest finites that round up
+to infinity, exact ties) as well as random ones.
 
-Every kernel that writes the KV cache or takes bf16 matmul inputs goes through these two helpers, so they get
-a test of their own that walks the corners the kernel tests hit only by chance.
+Every kernel that writes the KV cache or takes bf16 matmul inputs goes through these three helpers, so they
+get a test of their own that walks the corners the kernel tests hit only by chance.
 """
 
 import numpy as np
