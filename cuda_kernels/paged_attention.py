@@ -51,16 +51,19 @@ reads K/V once for all G heads.
     grid  = (S, Hkv * C, P): C = ceil(G / HB) chunks of HB <= 4 query heads per KV head (register budget),
             P partitions of the block table (P = 1: no workspace, the kernel writes out itself); NW and P
             from shapes only (decode_warps_policy, decode_partitions: 8 warps and no split for a batch-1
-            decode graph up to 512 keys; see the NOTE at SMALL_GRID_WARPS)
+            decode graph up to 512 keys; see the NOTE at SMALL_GRID_WARPS); LPK from shapes too
+            (decode_lanes_policy)
     block = NW warps; lane = slot * LPK + sub: the LPK (8, or 4) lanes of a slot share one key,
             lane sub owning 64-bit words sub, sub + LPK, ... of the K and V rows (4 bf16 each), so one warp
             load instruction reads 32 / LPK whole 32-byte sectors; the 32 / LPK slots take 32 / LPK keys.
     walk  : warp w takes KV blocks w, w + NW, ... of its partition (one block-table load per block of BS
-            tokens); a slot takes keys slot, slot + 32 / LPK, ... of the block, U at a time (all their loads
-            issued before the first use). The score of a key for head h is the lane's partial dot product
-            (q times scale log2(e), held in registers) summed over the slot's LPK lanes with LPK-wide xor
-            shuffles; every lane of the slot then has it. Under PDL the first round's table entry and
-            K/V loads go out before the wait for the kernel before, all but the newest key's (see attend).
+            tokens, read a block ahead); a slot takes keys slot, slot + 32 / LPK, ... of the block, U at
+            a time: a chunk. Software-pipelined: the loads of the warp's next chunk are issued before the
+            current chunk is consumed, into a second set of registers, so one is always in flight. The
+            score of a key for head h is the lane's partial dot product (q times scale log2(e), held in
+            registers) summed over the slot's LPK lanes with LPK-wide xor shuffles; every lane of the slot
+            then has it. Under PDL the first chunk's table entry and K/V loads go out before the wait for
+            the kernel before, all but the newest key's (see attend).
     state : per slot and head an online-softmax state (m, l, acc), acc over the lane's own dims: no
             cross-slot traffic in the loop; acc and l are rescaled only when a key raises m (rare after the
             first keys), instead of every tile.
@@ -88,9 +91,21 @@ from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum
 MAX_WARPS = 2 if SIMULATOR else 4   # the simulator runs one Python thread per CUDA thread
 LOG2E = float32(1 / math.log(2))
 LN2 = float32(math.log(2))
-# Lanes sharing one key in the fast kernel. 8 (d = 64: 8 dims each) compiles to 128 registers, 16 warps per
-# SM; 4 needs ~20% fewer instructions per key but 204 registers, 8 warps per SM (tools/ benchmarks both).
+# Lanes sharing one key in the fast kernel. 8 (d = 64: 8 dims each) compiles to 166 registers, 12 warps per
+# SM; 4 needs ~20% fewer instructions per key but 233 registers, 8 warps per SM. decode_lanes_policy picks.
 LANES_PER_KEY = 8
+# NOTE: measured on the H200 (Llama-3.2-1B heads, d 64, block 16; BENCHMARKS.md, 2026-12-04 fourth run):
+# 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
+# LONG_WALK_ROUNDS KV blocks: batch 64 x 4,096 keys 158 us against 218 with 8 lanes, 32 x 4,096 95 against
+# 114, 64 x 1,024 52 against 57. 512 blocks are two full waves of 2 blocks per SM at 4 lanes, 1.3 waves of
+# 3 at 8. Everywhere else 8 lanes tied or won: 128 x 2,048 175 / 175 us (1,024 blocks), 256 x 1,024 188
+# against 207, 256 x 128 43 against 69, batch 1 x 4,096 13.5 against 25.5. At head_dim 128, 4 lanes spill.
+LONG_WALK_ROUNDS = 16
+# 64-bit words of K (and of V) a lane loads per chunk of keys. The walk keeps two chunks in registers (one
+# consumed, the next in flight). NOTE: measured on the H200 at batch 64 x 4,096 keys, 4 lanes per key: 158 us
+# with 8 words, 205 with 4 or 2, 228 for the walk before it was pipelined (one chunk of 8 words); at 8 lanes
+# 218 us with 8 words, 235 with 4, 188 with 2, 301 before. 8 was the best or near it at the other shapes.
+CHUNK_WORDS = 8
 MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel serves (registers: q and acc)
 # The fast kernel's policy (from shapes only, so a captured CUDA graph stays valid). Warps: SMALL_GRID_WARPS per
 # block when the grid has no more blocks than the GPU has SMs, MAX_WARPS otherwise. Partitions: none while
@@ -106,11 +121,11 @@ MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel s
 # for 8 and 31 for 64. The policy gives 32 partitions of 256 keys there too (8 warps, 2 rounds).
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
 # The most warps a caller may ask for. NOTE: the register file bounds a block too (65,536 registers per SM).
-# ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-232 registers per thread, the most where the shared
+# ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-255 registers per thread, the most where the shared
 # memory allows the fewest warps. At 32 warps a one-head block (72 x 1,024) would not launch, and at 16 one
 # configuration fails (head_dim 40, group 4, 8 lanes: 134 x 512). At 12 the most any configuration needs is
-# 61,824 (head_dim 40, group 8, 8 lanes: 161 x 384, since the first round's loads before the PDL wait;
-# 51,072 before): tools/offline_compile.py --attention-warps checks every configuration offline.
+# 64,512 of the 65,536 (head_dim 40, groups 7 and 8, 8 lanes: 168 x 384, with the walk's two chunks of
+# registers; 161 x 384 before): tools/offline_compile.py --attention-warps checks every configuration offline.
 MAX_FAST_WARPS = 12
 SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
@@ -381,10 +396,11 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
     WD = D // 4                      # 64-bit words (4 bf16) per K/V row
     WPL = -(-WD // LPK)              # words per lane: lane sub owns words sub, sub + LPK, ...
     EVEN = WD % LPK == 0             # every lane owns WPL words (else the last ones are masked)
-    U = max(1, min(8 // WPL, -(-BS // KPW)))  # keys per slot per round of loads: 8 words of K and of V
-    CH = U * KPW                     # keys per warp per round
+    U = max(1, min(CHUNK_WORDS // WPL, -(-BS // KPW)))  # keys per slot per chunk: CHUNK_WORDS words of K, of V
+    CH = U * KPW                     # keys per warp per chunk
+    NCH = -(-BS // CH)               # chunks per KV block
     QW = HB * WPL * 4                # q values (and acc values) per lane
-    KW = U * WPL                     # K words (and V words) in flight per lane
+    KW = U * WPL                     # K words (and V words) per lane in a chunk (two chunks in registers)
     STATES = NW * KPW                # online-softmax states per head in a block, one per (warp, slot)
     SS = HB * D + 1                  # NOTE: odd stride between the states' acc rows: fewer bank conflicts
     ACC_SIZE = STATES * SS           # (array sizes must be plain constants for numba, not expressions)
@@ -421,11 +437,62 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
                     kw[u * WPL + i] = U64_ZERO
                     vw[u * WPL + i] = U64_ZERO
 
+    @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that every local array stays in registers
+    def consume(kw, vw, b, c0, live, ctx, qr, acc, m, l, sc):
+        """Fold the lane's U keys c0 + u * KPW + slot of KV block b (their words in kw, vw) into its
+        online-softmax states (m, l, acc) of the block's heads."""
+        lane = cuda.threadIdx.x % WARP
+        slot = lane // LPK
+        for u in range(U):
+            # Scores: the lane's share of each dot product (fp32, one FMA per product), then the slot's sum.
+            for h in range(HB):
+                sc[h] = float32(0)
+            for i in range(WPL):
+                k0, k1, k2, k3 = unpack_bf16x4(kw[u * WPL + i])
+                for h in range(HB):
+                    e = (h * WPL + i) * 4
+                    dot = sc[h]
+                    dot += qr[e] * k0
+                    dot += qr[e + 1] * k1
+                    dot += qr[e + 2] * k2
+                    dot += qr[e + 3] * k3
+                    sc[h] = dot
+            for h in range(HB):
+                sc[h] = slot_sum(sc[h], LPK)
+            off = c0 + u * KPW + slot
+            if live and off < BS and b * BS + off < ctx:
+                for h in range(HB):
+                    score = sc[h]
+                    if score > m[h]:
+                        # NOTE: rescale only when the max grows (m = -inf at first: c = 0, and l and acc are
+                        # still 0), not once per key.
+                        c = math.exp2(m[h] - score)
+                        l[h] *= c
+                        for a in range(WPL * 4):
+                            acc[h * WPL * 4 + a] *= c
+                        m[h] = score
+                    p = math.exp2(score - m[h])
+                    l[h] += p
+                    sc[h] = p
+                for i in range(WPL):
+                    v0, v1, v2, v3 = unpack_bf16x4(vw[u * WPL + i])
+                    for h in range(HB):
+                        e = (h * WPL + i) * 4
+                        acc[e] += sc[h] * v0
+                        acc[e + 1] += sc[h] * v1
+                        acc[e + 2] += sc[h] * v2
+                        acc[e + 3] += sc[h] * v3
+
     @cuda.jit(device=True)
     def attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc):
         """Walk KV blocks b_begin .. b_end - 1 of sequence seq for query heads h0 .. h0 + nh - 1; leaves each
         (warp, slot) state in shared memory: m in sm, l in sl, acc in sacc (row (warp * KPW + slot) * SS,
-        head h at h * D). Executes pdl.grid_wait() after the first loads (see below)."""
+        head h at h * D). Executes pdl.grid_wait() after the first loads (see below).
+
+        The walk is software-pipelined: a warp's keys come in chunks of CH (NCH chunks per KV block, the
+        warp's blocks b_begin + warp, + NW, ...), and the loads of chunk t + 1 are issued before chunk t is
+        consumed, into a second set of registers (kn, vn), so a lane always has a chunk's K/V words in
+        flight while it computes. The block-table entry of the warp's next block is read one block ahead."""
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         slot, sub = lane // LPK, lane % LPK
@@ -435,20 +502,33 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         m = cuda.local.array(HB, float32)
         l = cuda.local.array(HB, float32)
         sc = cuda.local.array(HB, float32)
-        kw = cuda.local.array(KW, uint64)
+        kw = cuda.local.array(KW, uint64)        # the chunk being consumed
         vw = cuda.local.array(KW, uint64)
+        kn = cuda.local.array(KW, uint64)        # the next chunk, in flight
+        vn = cuda.local.array(KW, uint64)
         scale2 = scale * LOG2E   # scores in log2 units: exp(s - m) = exp2(s log2(e) - m log2(e))
 
-        # NOTE: the first round's first loads go out before pdl.grid_wait. A decode step's kernels write only
-        # the newest key of each sequence (position ctx - 1, the QKV projection's RoPE + cache write); the
-        # block table, the context lengths and every older key were written before the step began. So the
-        # table entry and the K/V words of the older keys are read while the kernel before finishes
-        # (pdl.py, rule 2), and the newest key, if it is among them, is loaded after the wait.
+        # NOTE: the first chunk's loads go out before pdl.grid_wait. A decode step's kernels write only the
+        # newest key of each sequence (position ctx - 1, the QKV projection's RoPE + cache write); the block
+        # table, the context lengths and every older key were written before the step began. So the table
+        # entries and the K/V words of the older keys are read while the kernel before finishes (pdl.py,
+        # rule 2), and the newest key, if it is among them, is loaded after the wait.
         b = b_begin + warp
         live = b < b_end
         phys = block_tables[seq, b] if live else 0
         load_keys(k_rows, v_rows, kvh, phys, b, 0, live, ctx - 1, kw, vw)
+        b_next = b + NW
+        live_next = b_next < b_end
+        phys_next = block_tables[seq, b_next] if live_next else 0
         pdl.grid_wait()
+        for u in range(U):
+            off = u * KPW + slot
+            if live and off < BS and b * BS + off == ctx - 1:
+                row = uint64((phys * BS + off) * HKV + kvh)
+                for i in range(WPL):
+                    if EVEN or sub + LPK * i < WD:
+                        kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
+                        vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
         for h in range(HB):
             for i in range(WPL):
                 w = sub + LPK * i
@@ -461,67 +541,24 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
             m[h] = NEG_INF
             l[h] = float32(0)
 
-        # Every warp makes the same number of rounds (some on no block): the simulator's shuffles are block
+        # Every warp makes the same number of steps (some on no block): the simulator's shuffles are block
         # barriers. On the GPU the loop bounds are warp-uniform, as the shuffles need.
-        for rnd in range((b_end - b_begin + NW - 1) // NW):
-            b = b_begin + rnd * NW + warp
-            live = b < b_end
-            if rnd > 0:
-                phys = block_tables[seq, b] if live else 0
-            for c0 in range(0, BS, CH):
-                # All the round's loads first, then their uses.
-                if rnd > 0 or c0 > 0:
-                    load_keys(k_rows, v_rows, kvh, phys, b, c0, live, ctx, kw, vw)
-                else:
-                    # the newest key, if it is one of the prefetched: its lane's words, now that the wait is over
-                    for u in range(U):
-                        off = u * KPW + slot
-                        if live and off < BS and b * BS + off == ctx - 1:
-                            row = uint64((phys * BS + off) * HKV + kvh)
-                            for i in range(WPL):
-                                if EVEN or sub + LPK * i < WD:
-                                    kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
-                                    vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
-                for u in range(U):
-                    # Scores: the lane's share of each dot product (fp32, one FMA per product), then the
-                    # slot's sum.
-                    for h in range(HB):
-                        sc[h] = float32(0)
-                    for i in range(WPL):
-                        k0, k1, k2, k3 = unpack_bf16x4(kw[u * WPL + i])
-                        for h in range(HB):
-                            e = (h * WPL + i) * 4
-                            dot = sc[h]
-                            dot += qr[e] * k0
-                            dot += qr[e + 1] * k1
-                            dot += qr[e + 2] * k2
-                            dot += qr[e + 3] * k3
-                            sc[h] = dot
-                    for h in range(HB):
-                        sc[h] = slot_sum(sc[h], LPK)
-                    off = c0 + u * KPW + slot
-                    if live and off < BS and b * BS + off < ctx:
-                        for h in range(HB):
-                            score = sc[h]
-                            if score > m[h]:
-                                # NOTE: rescale only when the max grows (m = -inf at first: c = 0, and
-                                # l and acc are still 0), not once per key.
-                                c = math.exp2(m[h] - score)
-                                l[h] *= c
-                                for a in range(WPL * 4):
-                                    acc[h * WPL * 4 + a] *= c
-                                m[h] = score
-                            p = math.exp2(score - m[h])
-                            l[h] += p
-                            sc[h] = p
-                        for i in range(WPL):
-                            v0, v1, v2, v3 = unpack_bf16x4(vw[u * WPL + i])
-                            for h in range(HB):
-                                e = (h * WPL + i) * 4
-                                acc[e] += sc[h] * v0
-                                acc[e + 1] += sc[h] * v1
-                                acc[e + 2] += sc[h] * v2
-                                acc[e + 3] += sc[h] * v3
+        for t in range(NCH * ((b_end - b_begin + NW - 1) // NW)):
+            c0 = (t % NCH) * CH
+            if c0 + CH < BS:
+                load_keys(k_rows, v_rows, kvh, phys, b, c0 + CH, live, ctx, kn, vn)
+            else:
+                # the next chunk is the first of the warp's next block (nothing to load past the last)
+                load_keys(k_rows, v_rows, kvh, phys_next, b_next, 0, live_next, ctx, kn, vn)
+            consume(kw, vw, b, c0, live, ctx, qr, acc, m, l, sc)
+            for i in range(KW):
+                kw[i] = kn[i]
+                vw[i] = vn[i]
+            if c0 + CH >= BS:
+                b, live, phys = b_next, live_next, phys_next
+                b_next = b + NW
+                live_next = b_next < b_end
+                phys_next = block_tables[seq, b_next] if live_next else 0
 
         state = warp * KPW + slot
         if sub == 0:
@@ -666,6 +703,17 @@ def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_k
                       most=SMALL_GRID_WARPS if small else MAX_WARPS)
 
 
+def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
+    """Lanes per key of the fast kernel by default, from shapes only (max_blocks = block_tables.shape[1]):
+    4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
+    (long contexts at mid-size batches), 8 otherwise (see the NOTE at LONG_WALK_ROUNDS)."""
+    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, 8)
+    parts, partition_blocks = decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps)
+    blocks = parts * _grid_blocks(num_seqs, num_heads, num_kv_heads)
+    long_walk = partition_blocks >= LONG_WALK_ROUNDS * warps
+    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else 8
+
+
 def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):
     """(partitions, KV blocks per partition) of the fast kernel with a workspace and `warps` warps per block
     (decode_warps_policy), from shapes only: max_blocks = block_tables.shape[1]. No split (1 partition) while
@@ -711,7 +759,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     num_seqs, num_heads = q.shape[:2]
     num_kv_heads = k_cache.shape[2]
     max_blocks = max(block_tables.shape[1], 1)
-    lanes = LANES_PER_KEY if lanes_per_key is None else lanes_per_key
+    lanes = decode_lanes_policy(num_seqs, num_heads, num_kv_heads, d, max_blocks) if lanes_per_key is None \
+        else lanes_per_key
     if lanes not in (4, 8):
         raise ValueError(f"lanes_per_key must be 4 or 8, got {lanes_per_key!r}")
     group = num_heads // num_kv_heads

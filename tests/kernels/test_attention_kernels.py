@@ -296,6 +296,22 @@ def test_decode_policy_depends_on_shapes_only():
             assert parts == 1 or s * 32 * parts * 66 <= size
 
 
+def test_decode_lanes_policy():
+    """4 lanes per key only for a grid of at most TARGET_BLOCKS blocks whose warps walk long (the measured
+    cases of the NOTE at LONG_WALK_ROUNDS), 8 elsewhere; from shapes only."""
+    pa = paged_attention
+    assert pa.decode_lanes_policy(64, 32, 8, 64, 256) == 4     # batch 64 x 4,096 keys in 16-token blocks
+    assert pa.decode_lanes_policy(32, 32, 8, 64, 256) == 4     # two partitions of 128 blocks: 512 blocks
+    # the boundary: each warp walks LONG_WALK_ROUNDS blocks (batch 64 x 1,024 keys on the GPU's 4 warps)
+    walk = pa.LONG_WALK_ROUNDS * pa.decode_warps_policy(64, 32, 8, 64, 8)
+    assert pa.decode_lanes_policy(64, 32, 8, 64, walk) == 4
+    assert pa.decode_lanes_policy(64, 32, 8, 64, walk - 1) == 8
+    assert pa.decode_lanes_policy(128, 32, 8, 64, 128) == 8    # 1,024 blocks
+    assert pa.decode_lanes_policy(256, 32, 8, 64, 32) == 8
+    assert pa.decode_lanes_policy(1, 32, 8, 64, 256) == 8      # batch 1: split into short partitions
+    assert pa.decode_lanes_policy(64, 32, 8, 128, 256) == 8    # head_dim 128 would spill at 4 lanes
+
+
 # ---------------------------------------------------------------------------------------------------------
 # decode: the first split-K version (paged_attention_split + paged_attention_reduce)
 
