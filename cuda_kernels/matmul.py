@@ -25,8 +25,9 @@ Thread mappings:
   by * m_tile + mm (m_tile in 1, 2, 4, 8, the smallest >= M). A row's uint64 words (4 bf16 each) are
   consumed in passes of 32 * unroll * k_split words: in each pass part p reads the unroll runs of 32 words
   starting at (p * unroll + u) * 32, lane i word i of each run (a warp load reads 256 contiguous bytes),
-  all unroll * rows_per_warp loads issued before the first is used; each word is widened once and
-  multiplied by all m_tile activation rows. A warp_sum per (row, m) gives a part's dot; with k_split > 1
+  all unroll * rows_per_warp loads issued before the first is used (a pipelined config also issues the
+  next pass's loads before it consumes this one, into a second set of registers); each word is widened
+  once and multiplied by all m_tile activation rows. A warp_sum per (row, m) gives a part's dot; with k_split > 1
   the parts meet in shared memory and are added in part order. When K % 4 != 0 (no uint64 view) the
   bf16 at k = i, i + 32, ... are read one at a time instead. gemv_config(M, N, K) picks the configuration.
   The first pass's weight loads are issued before pdl.grid_wait (weights are never written), so under
@@ -136,6 +137,7 @@ class GemvConfig(NamedTuple):
     rows_per_warp: int = 2   # rows sharing one pass over x: more loads in flight per lane, x loads reused
     unroll: int = 1          # 64-bit loads per row a lane issues before using the first
     k_split: int = 1         # warps of a block splitting each row's K (warps_per_block % k_split == 0)
+    pipelined: bool = False  # issue the next pass's loads before consuming this one (twice the registers)
 
 
 class GemmTile(NamedTuple):
@@ -158,7 +160,9 @@ class GemmTcTile(NamedTuple):
 
 
 # gemv_config's choices (measured; see its docstring; GemvConfig() is the first version's one-load loop)
-GEMV_WIDE, GEMV_SPLIT = GemvConfig(4, 4, 4, 2), GemvConfig(8, 2, 4, 4)
+GEMV_WIDE, GEMV_SPLIT = GemvConfig(4, 4, 4, 2), GemvConfig(4, 4, 4, 2, True)
+GEMV_SPLIT_SMALL, GEMV_LONG_K = GemvConfig(8, 4, 2, 4, True), GemvConfig(8, 4, 4, 4, True)
+GEMV_SMALL_N = 2048
 GEMV_WIDE_M, GEMV_LONG_K_M, GEMV_SPLIT_M = GemvConfig(4, 2, 4, 1), GemvConfig(8, 2, 2, 4), GemvConfig(4, 2, 4, 2)
 GEMV_WIDE_N = 8192
 # The simulator runs one Python thread per CUDA thread: fewer, busier threads keep engine tests affordable
@@ -247,10 +251,11 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 @functools.lru_cache(maxsize=None)
 def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
-                 bf16_inputs: bool, pairing: str = "", head_dim: int = 0):
+                 pipelined: bool, bf16_inputs: bool, pairing: str = "", head_dim: int = 0):
     """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
-    64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; with
-    bf16_inputs every x is rounded to the nearest bf16 as it is read.
+    64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; pipelined,
+    the loads of a lane's next pass are issued before its current one is consumed; with bf16_inputs every x
+    is rounded to the nearest bf16 as it is read.
 
     pairing: "" (plain rows n0.., out (M, N)), or an epilogue on pairs of rows, a warp's first R/2 rows
     pairing with its last R/2 (R even). "gated": W is [gate; up] (2F rows); the pair of feature j is gate
@@ -263,6 +268,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     RH = R // 2                             # paired: pairs per warp
     U = unroll
     S = k_split
+    PIPE = pipelined
     GATED, ROPE = pairing == "gated", pairing == "rope"
     PAIRED = GATED or ROPE
     HALF = head_dim // 2
@@ -270,7 +276,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     ROW_WARPS = warps_per_block // S        # warps with distinct rows; S warps share each row group
     ROWS_PER_BLOCK = ROW_WARPS * R
     NACC = MT * R
-    NW = U * R                              # weight words in flight per lane
+    NW = U * R                              # weight words per lane in a pass (pipelined: two passes in registers)
     STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
@@ -350,21 +356,26 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
         # synchronises the block) and the barrier of the K-split reduction. They work on a clamped, valid
         # row and skip the store instead, which also keeps bounds checks out of the inner loop.
         acc = cuda.local.array(NACC, float32)
-        wv = cuda.local.array(NW, uint64)
+        wv = cuda.local.array(NW, uint64)   # the pass being consumed
+        wn = cuda.local.array(NW, uint64)   # pipelined: the next pass, in flight
         for i in range(NACC):
             acc[i] = float32(0)
 
         # Main loop: pass c covers words [c*STEP, (c+1)*STEP) of every row; this warp's share is the U runs
         # of 32 words at c*STEP + (part*U + u)*32, lane i taking word i of each run (a warp load reads 256
-        # contiguous bytes). All U*R loads are issued before the first is used: that many 8-byte loads in
+        # contiguous bytes). All U*R loads of a pass are issued before the first is used (pipelined: and the
+        # next pass's before this one is consumed, into a second set of registers): that many 8-byte loads in
         # flight per lane is what keeps enough bytes in flight per SM to approach the DRAM bandwidth.
-        # NOTE: the first pass's weight loads go out before grid_wait (cuda_kernels/pdl.py): weights are
-        # never written, so under PDL they are in flight while the kernel producing x finishes.
+        # NOTE: the first pass's weight loads (pipelined: the first two passes') go out before grid_wait
+        # (cuda_kernels/pdl.py): weights are never written, so under PDL they are in flight while the kernel
+        # producing x finishes.
         pdl.launch_dependents()
         full = (kv // STEP) * STEP
         j0 = part * U * WARP + lane
         if j0 < full:
             load_words(w64, wv, n0, N, j0)
+        if PIPE and j0 + STEP < full:
+            load_words(w64, wn, n0, N, j0 + STEP)
         pdl.grid_wait()
         while j0 < full:
             for u in range(U):
@@ -388,8 +399,14 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                         a += x3 * w3
                         acc[mm * R + r] = a
             j0 += STEP
-            if j0 < full:
+            if j0 < full and not PIPE:
                 load_words(w64, wv, n0, N, j0)
+            elif j0 < full:
+                # NOTE: moving a word waits for its load; by now it has had a whole pass to arrive
+                for i in range(NW):
+                    wv[i] = wn[i]
+                if j0 + STEP < full:
+                    load_words(w64, wn, n0, N, j0 + STEP)
 
         # The words past the last whole pass, one per lane at a time, spread over the S warps the same way.
         for j in range(full + part * WARP + lane, kv, WARP * S):
@@ -924,10 +941,22 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     us (on gate/up; on the LM head alone 1,063.0 to 1,060.6), and (8, 2, 4, 4) on QKV and O, half the rows
     per warp and twice the loads per pass of (8, 4, 2, 4), from 1,063.3 to 1,055.9 (down already had that
     configuration). Three further variants on down and two on QKV / O were within 0.1% or slower.
+    NOTE: the pipelined configurations (the next pass's loads issued before the current one is consumed)
+    were measured against the picks above in one run, cold, m = 1 (BENCHMARKS.md, 2026-12-04 fourth
+    run): QKV 4.03 us with (4, 4, 4, 2, pipelined) against 6.24 for the old pick (8, 2, 4, 4); O 3.09 us
+    with (8, 4, 2, 4, pipelined) against 4.04 (3.59 with QKV's pick; (8, 4, 2, 4, pipelined) took 4.47 us
+    on QKV); down 9.36 us with (8, 4, 4, 4, pipelined) against 10.12. Inside the batch-1 bf16 decode step
+    the three took 931.8 us against 957.3 with the old picks. On the wide weights and at m > 1 the second
+    set of registers cost more than it gained (gate/up 17.7 us against 16.9; the LM head at m = 8, 621
+    against 561), so those stay unpipelined.
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:
-        return GEMV_WIDE if wide else GEMV_SPLIT
+        if wide:
+            return GEMV_WIDE
+        if long_k:
+            return GEMV_LONG_K
+        return GEMV_SPLIT_SMALL if n <= GEMV_SMALL_N else GEMV_SPLIT
     if wide:
         return GEMV_WIDE_M
     return GEMV_LONG_K_M if long_k and m <= 2 else GEMV_SPLIT_M

@@ -1,7 +1,7 @@
 """Where the GPU time of one decode step goes, kernel by kernel, on the CUDA engine (needs a GPU).
 
     python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision fp32] [--json out.json]
-                                  [--ablate] [--gemv N,K=WARPS,ROWS,UNROLL,SPLIT ...]
+                                  [--ablate] [--gemv N,K=WARPS,ROWS,UNROLL,SPLIT[,PIPELINED] ...]
 
 For each batch size: a Llama-3.2-1B-shaped random model (or --model) serves `batch` requests with a
 `context`-token prompt until they decode; then the decode step the engine replays is captured again with a
@@ -233,12 +233,13 @@ def table(result: dict) -> str:
 
 
 def gemv_override(text: str) -> tuple:
-    """'N,K=W,R,U,S' -> ((N, K), GemvConfig(W, R, U, S))."""
+    """'N,K=W,R,U,S[,P]' -> ((N, K), GemvConfig(W, R, U, S, P)), P 1 for a pipelined configuration."""
     from cuda_kernels.matmul import GemvConfig
 
     shape, config = text.split("=")
     n, k = (int(v) for v in shape.split(","))
-    return (n, k), GemvConfig(*(int(v) for v in config.split(",")))
+    values = [int(v) for v in config.split(",")]
+    return (n, k), GemvConfig(*values[:4], *(bool(v) for v in values[4:]))
 
 
 def main() -> int:
@@ -249,7 +250,7 @@ def main() -> int:
     p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--json", type=Path)
     p.add_argument("--ablate", action="store_true", help="time the step without each kernel function in turn")
-    p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S",
+    p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S[,P]",
                    help="one variant of gemv configurations per option (repeatable)")
     args = p.parse_args()
     variants = tuple(dict(v) for v in args.gemv)

@@ -114,12 +114,13 @@ def test_matmul_naive(seed, m, nk, x_scale, w_scale, bf16_inputs):
 GEMV_CONFIGS = [None, mm.GemvConfig(), mm.GemvConfig(warps_per_block=3, rows_per_warp=1)]  # None: the policy
 # Loads in flight and K split: (warps, rows per warp, unroll, k_split); a pass of the block covers
 # 32 * unroll * k_split words (4 bf16 each) of a row.
-# The simulator takes configurations whose passes are short (256-512 columns: the same code paths); the GPU
-# every policy configuration too.
-GEMV_PASS_CONFIGS = [mm.GemvConfig(2, 1, 2, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(4, 1, 2, 2)]
+# The simulator takes configurations whose passes are short (256-512 columns: the same code paths), pipelined
+# or not; the GPU every policy configuration too.
+GEMV_PASS_CONFIGS = [mm.GemvConfig(2, 1, 2, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(4, 1, 2, 2),
+                     mm.GemvConfig(2, 1, 2, 1, True), mm.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    GEMV_PASS_CONFIGS += [mm.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_LONG_K_M, mm.GEMV_WIDE_M,
-                          mm.GEMV_SPLIT_M]
+    GEMV_PASS_CONFIGS += [mm.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K,
+                          mm.GEMV_LONG_K_M, mm.GEMV_WIDE_M, mm.GEMV_SPLIT_M]
 
 
 @pytest.mark.parametrize("path", ["u64", "u64-view-given", "scalar"])
@@ -141,7 +142,8 @@ def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
 
 
 @pytest.mark.parametrize("m, n, k, want", [
-    (1, 3072, 2048, mm.GEMV_SPLIT), (1, 2048, 8192, mm.GEMV_SPLIT), (1, 128256, 2048, mm.GEMV_WIDE),
+    (1, 3072, 2048, mm.GEMV_SPLIT), (1, 2048, 2048, mm.GEMV_SPLIT_SMALL), (1, 2048, 8192, mm.GEMV_LONG_K),
+    (1, 128256, 2048, mm.GEMV_WIDE),
     (2, 2048, 8192, mm.GEMV_LONG_K_M), (4, 2048, 8192, mm.GEMV_SPLIT_M), (8, 16384, 2048, mm.GEMV_WIDE_M),
 ])
 def test_gemv_config_policy(m, n, k, want):
@@ -195,7 +197,8 @@ def check_gated(out, x, w, bf16_inputs=False):
 
 
 # gated gemv configurations: the policy's (for the weight's 2F rows) and hand-picked ones, K split or not
-GATED_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1)]
+GATED_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1),
+                 mm.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
     GATED_CONFIGS += [mm.GEMV_WIDE, mm.GEMV_WIDE_M, mm.GEMV_SPLIT, mm.GEMV_SPLIT_M]
 # (F, K): the gate/up of the 1B model (F = 8192) on the GPU, or odd sizes; tiny ones in the simulator
@@ -287,9 +290,10 @@ def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num
 
 rope_heads = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (2, 2, 8)], [(32, 8, 64), (9, 3, 64), (24, 8, 128), (4, 4, 64)]))
 # the policy's QKV configurations and hand-picked ones, K split or not (rows_per_warp even: pairs)
-ROPE_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1)]
+ROPE_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1),
+                 mm.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_M, mm.GemvConfig(8, 4, 2, 4)]
+    ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_SPLIT_M, mm.GemvConfig(8, 4, 2, 4)]
 
 
 @settings(max_examples=pick(8, 15))

@@ -211,13 +211,15 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDA
     return out
 
 
-# gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split); the first version's
-# (4, 2, 1, 1), the policy's two at M = 1, the earlier policy's (8, 4, 2, 4) and (4, 4, 2, 2), and neighbours
-GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GemvConfig(8, 4, 2, 4)] + [
-    mm.GemvConfig(*c) for c in ((4, 4, 2, 2), (8, 2, 4, 2), (16, 2, 2, 8), (4, 2, 2, 2), (16, 2, 2, 4),
-                                (8, 2, 1, 4), (4, 2, 8, 1), (8, 2, 4, 1), (4, 4, 4, 4), (8, 2, 8, 4))]
+# gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split[, pipelined]); the first
+# version's (4, 2, 1, 1), the policy's four at M = 1, the earlier policies' (8, 2, 4, 4), (8, 4, 2, 4) and
+# (4, 4, 2, 2), and neighbours
+GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K] + [
+    mm.GemvConfig(*c) for c in ((8, 2, 4, 4), (8, 4, 2, 4), (4, 4, 2, 2), (8, 2, 4, 2), (16, 2, 2, 8), (4, 2, 2, 2),
+                                (16, 2, 2, 4), (8, 2, 1, 4), (4, 2, 8, 1), (8, 2, 4, 1), (4, 4, 4, 4), (8, 2, 8, 4),
+                                (8, 4, 4, 4), (8, 2, 4, 4, True), (4, 2, 4, 2, True))]
 # the few of them timed at M > 1 as well (M rows share each weight read there)
-GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4)]
+GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4), mm.GemvConfig(4, 2, 4, 2, True)]
 COLD_BYTES = 256 << 20   # weight copies cycled through per timed graph: 5x the H200's 50 MB L2
 
 
