@@ -399,14 +399,15 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                         a += x3 * w3
                         acc[mm * R + r] = a
             j0 += STEP
-            if j0 < full and not PIPE:
-                load_words(w64, wv, n0, N, j0)
-            elif j0 < full:
-                # NOTE: moving a word waits for its load; by now it has had a whole pass to arrive
-                for i in range(NW):
-                    wv[i] = wn[i]
-                if j0 + STEP < full:
-                    load_words(w64, wn, n0, N, j0 + STEP)
+            if j0 < full:
+                if PIPE:
+                    # NOTE: moving a word waits for its load; by now it has had a whole pass to arrive
+                    for i in range(NW):
+                        wv[i] = wn[i]
+                    if j0 + STEP < full:
+                        load_words(w64, wn, n0, N, j0 + STEP)
+                else:
+                    load_words(w64, wv, n0, N, j0)
 
         # The words past the last whole pass, one per lane at a time, spread over the S warps the same way.
         for j in range(full + part * WARP + lane, kv, WARP * S):

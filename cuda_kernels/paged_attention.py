@@ -92,7 +92,8 @@ MAX_WARPS = 2 if SIMULATOR else 4   # the simulator runs one Python thread per C
 LOG2E = float32(1 / math.log(2))
 LN2 = float32(math.log(2))
 # Lanes sharing one key in the fast kernel. 8 (d = 64: 8 dims each) compiles to 166 registers, 12 warps per
-# SM; 4 needs ~20% fewer instructions per key but 233 registers, 8 warps per SM. decode_lanes_policy picks.
+# SM; 4 needs ~20% fewer instructions per key but 233 registers, 8 warps per SM. decode_lanes_policy picks
+# 4 for some shapes, LANES_PER_KEY otherwise.
 LANES_PER_KEY = 8
 # NOTE: measured on the H200 (Llama-3.2-1B heads, d 64, block 16; BENCHMARKS.md, 2026-12-04 fourth run):
 # 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
@@ -707,11 +708,11 @@ def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks)
     """Lanes per key of the fast kernel by default, from shapes only (max_blocks = block_tables.shape[1]):
     4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
     (long contexts at mid-size batches), 8 otherwise (see the NOTE at LONG_WALK_ROUNDS)."""
-    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, 8)
+    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, LANES_PER_KEY)
     parts, partition_blocks = decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps)
     blocks = parts * _grid_blocks(num_seqs, num_heads, num_kv_heads)
     long_walk = partition_blocks >= LONG_WALK_ROUNDS * warps
-    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else 8
+    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else LANES_PER_KEY
 
 
 def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):
