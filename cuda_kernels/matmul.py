@@ -950,6 +950,10 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     the three took 931.8 us against 957.3 with the old picks. On the wide weights and at m > 1 the second
     set of registers cost more than it gained (gate/up 17.7 us against 16.9; the LM head at m = 8, 621
     against 561), so those stay unpipelined.
+    NOTE: what still separates QKV and O (about 3,000 and 2,750 GB/s) from a kernel that only reads their
+    bytes (4,460 and 4,360) is mostly the x reads: without them (x a constant, same loads and FMAs) QKV took
+    3.27 us against 4.36 and O 2.28 against 2.86 (BENCHMARKS.md, 2026-12-04 fifth run). Staging x a pass
+    ahead in registers, or once per block in shared memory, was slower; so were 8 rows per warp.
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:
