@@ -11,7 +11,7 @@ Simulator shapes are tiny; on the GPU profile the Llama-3.2-1B projection shapes
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kernel_support import F32_EPS, LLAMA3, SIM, device_empty, dot_tolerance, pick, sizes, to_device
 from numba import cuda
@@ -150,10 +150,14 @@ def test_gemv_config_policy(m, n, k, want):
     assert mm.gemv_config(m, n, k) == want
 
 
-@settings(max_examples=pick(6, 15))
-@given(seeds, st.sampled_from(GEMV_PASS_CONFIGS), st.integers(0, 2), st.integers(0, 40), st.integers(0, 3),
-       st.sampled_from([1, 2, 5, 8]), st.integers(1, 9), st.booleans())
-def test_gemv_passes(seed, config, passes, words, tail, m, n, bf16_inputs):
+# NOTE: the configurations are parameters, not drawn by hypothesis: drawn, a given one went untested in about a
+# quarter of the runs (6 examples over 5 configurations), so a bug in one code path could pass CI.
+@pytest.mark.parametrize("config", GEMV_PASS_CONFIGS)
+@settings(max_examples=pick(2, 4))
+@given(seeds, st.integers(0, 2), st.integers(0, 40), st.integers(0, 3), st.sampled_from([1, 2, 5, 8]),
+       st.integers(1, 9), st.booleans())
+@example(seed=0, passes=2, words=3, tail=1, m=2, n=5, bf16_inputs=False)  # always: a pipelined config's 2nd pass
+def test_gemv_passes(config, seed, passes, words, tail, m, n, bf16_inputs):
     """Unrolled loads and the K split: K = whole passes of the block + leftover words (fewer than a pass,
     spread over the K-split warps one word at a time) + a scalar tail of K % 4 columns (the uint16 path,
     as the launcher sees no uint64 view then), with N not a multiple of the block's rows."""
@@ -206,10 +210,10 @@ gated_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 300)) if SIM else
                 st.one_of(st.just((8192, 2048)), st.tuples(st.integers(1, 3000), st.integers(1, 3000))))
 
 
-@settings(max_examples=pick(8, 15))
-@given(seeds, st.sampled_from([1, 2, 3, 5, 8]), gated_shapes, x_scales, st.sampled_from(GATED_CONFIGS),
-       st.booleans())
-def test_gemv_gated(seed, m, fk, x_scale, config, bf16_inputs):
+@pytest.mark.parametrize("config", GATED_CONFIGS)
+@settings(max_examples=pick(3, 4))
+@given(seeds, st.sampled_from([1, 2, 3, 5, 8]), gated_shapes, x_scales, st.booleans())
+def test_gemv_gated(config, seed, m, fk, x_scale, bf16_inputs):
     """The SiLU*mul epilogue: F not a multiple of a block's features, K with and without a uint64 view and a
     scalar tail, M over several chunks of 8 rows; |x| up to 3e15, where silu saturates (g) or flushes (-0)."""
     f, k = fk
@@ -296,10 +300,11 @@ if not SIM:
     ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_SPLIT_M, mm.GemvConfig(8, 4, 2, 4)]
 
 
-@settings(max_examples=pick(8, 15))
+@pytest.mark.parametrize("config", ROPE_CONFIGS)
+@settings(max_examples=pick(3, 4))
 @given(seeds, st.sampled_from([1, 2, 3, 8]), rope_heads, st.sampled_from(pick([4, 20, 70], [2048, 1000, 8192])),
-       st.sampled_from([4, 16]), st.sampled_from(ROPE_CONFIGS), st.booleans())
-def test_gemv_rope(seed, m, heads, k, block_size, config, bf16_inputs):
+       st.sampled_from([4, 16]), st.booleans())
+def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs):
     """The QKV gemv with rope_kv_write as its epilogue: every head's pairs (i, i + d/2) rotated, q written,
     K and V in their slots (a padding token's slot -1 writes nothing), K with and without a uint64 view."""
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, block_size)
