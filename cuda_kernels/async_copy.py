@@ -1,11 +1,14 @@
 """Shared-memory staging primitives for a multi-stage tensor-core GEMM: cp.async and ldmatrix (sm_80 and later).
 
-``cp_async_16(dst, d, src, s, valid)``: one thread copies 16 bytes (8 bf16) from global memory,
-src[s : s + 8], into shared memory, dst[d : d + 8], without passing through registers; with valid False
-it writes 16 zero bytes and reads nothing. The copy is asynchronous: a thread groups the copies it has
-issued with ``cp_async_commit()``, and ``cp_async_wait(n)`` (a device function per n) returns once at most
-n of its groups are still in flight. Only the thread's own copies are waited for, so a block barrier must
-follow before other threads read what landed. Both indices must be multiples of 8 (16-byte alignment).
+``cp_async_16(dst, d, src, s, valid)``: one thread copies 16 bytes from global memory into shared memory
+without passing through registers: src[s : s + e] into dst[d : d + e], e = 16 / itemsize elements of the
+arrays' common dtype (8 bf16, or 2 uint64 words); with valid False it writes 16 zero bytes and reads
+nothing. The copy is asynchronous: a thread groups the copies it has issued with ``cp_async_commit()``, and
+``cp_async_wait(n)`` (a device function per n) returns once at most n of its groups are still in flight.
+Only the thread's own copies are waited for, so a block barrier must follow before other threads read what
+landed. Both addresses must be 16-byte aligned: indices multiples of e, and a static shared array declared
+with ``alignment=SHARED_ALIGN`` (dynamic shared memory is aligned already). src is indexed flat: pass a
+1-D array.
 
 ``ldmatrix_x4(sh, i)``: the 32 lanes of a warp load four 8 x 8 matrices of bf16 from shared memory in one
 instruction. Lanes 8 q .. 8 q + 7 each give the index of one row of matrix q (8 consecutive bf16, 16
@@ -36,15 +39,20 @@ from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import WARP
 
 CHUNK = 8   # bf16 per cp.async (16 bytes) and per ldmatrix row
+COPY_BYTES = 16
+# The alignment a static shared array that cp.async writes must ask for; None in the simulator, which refuses
+# the keyword (and copies element by element there anyway).
+SHARED_ALIGN = None if SIMULATOR else COPY_BYTES
 
 if SIMULATOR:
     _MAX_WARPS = 32   # 1024 threads
 
     @cuda.jit(device=True)
     def cp_async_16(dst, d, src, s, valid):
-        """dst[d : d + 8] = src[s : s + 8] if valid else zeros (done at once in the simulator)."""
-        for j in range(CHUNK):
-            dst[d + j] = src[s + j] if valid else uint16(0)
+        """The 16 bytes src[s : s + e] -> dst[d : d + e] (e elements of their dtype), or zeros when not valid;
+        done at once in the simulator."""
+        for j in range(COPY_BYTES // dst.dtype.itemsize):
+            dst[d + j] = src[s + j] if valid else dst.dtype.type(0)
 
     @cuda.jit(device=True)
     def cp_async_commit():
@@ -116,7 +124,8 @@ else:
 
     @cuda.jit(device=True, inline=True)
     def cp_async_16(dst, d, src, s, valid):
-        """dst[d : d + 8] = src[s : s + 8] if valid else zeros, asynchronously (see the module docstring)."""
+        """The 16 bytes src[s : ...] -> dst[d : ...] (indices in elements of their dtype), or zeros when not
+        valid, asynchronously (see the module docstring)."""
         # with a source size of 0 bytes the instruction reads nothing and fills the 16 bytes with zeros
         _cp_async_asm(dst, int64(d), src, int64(s), uint32(16) if valid else uint32(0))
 

@@ -39,6 +39,17 @@ Thread mappings:
   warp's R/2 pairs being rows i and i + d/2 of a head, so the epilogue rotates each pair and writes what
   rope.rope_kv_write would (rotated q; the rotated K and the V into the cache slots): no qkv intermediate,
   no RoPE kernel.
+- ``gemv`` with a ``GemvStaged(rows_per_block, warps)`` config (the staged gemv): grid = (ceil(N / R),
+  ceil(M / m_tile)), block = 32 * warps threads, R = rows_per_block; block (bx, by) owns weight rows
+  bx * R + r (paired: R / 2 pairs, as above) and activation rows by * m_tile + mm. Before the PDL wait the
+  block copies its R rows whole into a shared tile with cp.async (16-byte copies, thread t taking copies
+  t, t + threads, ...; K % 8 == 0, R * K * 2 bytes within the 48 KB of static shared memory); after it,
+  thread t loads x for the uint64 words t, t + threads, ... of a row, then multiplies them with the same
+  words of each of the R tile rows (consecutive threads, consecutive words: conflict-free). Each thread's
+  R x m_tile partial sums go through warp_sum, meet in shared memory and are added in warp order; the same
+  epilogues as above (plain, gated, rope). Weights in flight wait in shared memory rather than registers,
+  so a block holds few registers (40-55 at m = 1 against 80-128 for the picks above, offline ptxas) and
+  the next kernel's blocks can be resident, and loading, while this one finishes.
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
@@ -78,6 +89,8 @@ Versions:
    gemm_pipelined, else matmul + activation.silu_and_mul).
    With the RoPE epilogue the QKV projection, RoPE and the KV-cache write are one kernel
    (`matmul_rope_kv_write`, which falls back to matmul + rope.rope_kv_write above decode sizes).
+   The staged variant (GemvStaged) keeps the weights in flight in shared memory instead of registers. It
+   is tested (simulator) but not yet timed on the GPU, so gemv_config does not pick it (see its NOTE).
 3. gemm: shared-memory tiled fp32 GEMM with a register tile per thread (no tensor cores).
 4. gemm_tc: tensor cores (mma.sync m16n8k16 bf16, fp32 accumulators) with the bf16x3 split of x (or x
    rounded to bf16: one mma instead of three), tiled through shared memory as packed bf16 quads (64-bit,
@@ -110,10 +123,11 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels import activation, gemm_pipelined, pdl, rope
+from cuda_kernels.async_copy import SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.launch import launch, view
+from cuda_kernels.launch import STATIC_SHARED_LIMIT, launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
 from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, round_bf16_pair, warp_sum
 
@@ -138,6 +152,14 @@ class GemvConfig(NamedTuple):
     unroll: int = 1          # 64-bit loads per row a lane issues before using the first
     k_split: int = 1         # warps of a block splitting each row's K (warps_per_block % k_split == 0)
     pipelined: bool = False  # issue the next pass's loads before consuming this one (twice the registers)
+
+
+class GemvStaged(NamedTuple):
+    """The staged gemv (a `config` for gemv and gemv_rope): each block copies rows_per_block whole weight rows
+    into shared memory before the PDL wait (K % 8 == 0 and rows_per_block * K * 2 bytes within the 48 KB of
+    static shared memory)."""
+    rows_per_block: int = 8
+    warps_per_block: int = 4
 
 
 class GemmTile(NamedTuple):
@@ -250,42 +272,24 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
-                 pipelined: bool, bf16_inputs: bool, pairing: str = "", head_dim: int = 0):
-    """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
-    64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; pipelined,
-    the loads of a lane's next pass are issued before its current one is consumed; with bf16_inputs every x
-    is rounded to the nearest bf16 as it is read.
+def _gemv_rows(rows: int, pairing: str, head_dim: int):
+    """(weight_row, store): the device functions by which a gemv kernel maps a group of `rows` weight rows to
+    the weight and writes their results, for a pairing (see _gemv_kernel).
 
-    pairing: "" (plain rows n0.., out (M, N)), or an epilogue on pairs of rows, a warp's first R/2 rows
-    pairing with its last R/2 (R even). "gated": W is [gate; up] (2F rows); the pair of feature j is gate
-    row j and up row F + j, and the kernel writes silu(gate) * up (out (M, F)). "rope": W is the fused QKV
-    weight, heads of head_dim rows; the pair of (head, i) is rows i and i + head_dim/2 of the head, the two
-    halves RoPE rotates together, and the kernel (gemv_rope_kernel) writes what rope.rope_kv_write would
-    from the product: rotated q, and the rotated K and the V of each token into its cache slot."""
-    MT = m_tile
-    R = rows_per_warp
-    RH = R // 2                             # paired: pairs per warp
-    U = unroll
-    S = k_split
-    PIPE = pipelined
+    weight_row(n0, r, N): the weight row of row r of the group starting at n0 (a multiple of rows), clamped
+    to a valid one (the caller skips the store for it). store(dst, m, j, a, b): write output j of activation
+    row m from its row total a (paired: the totals a and b of pair j); dst holds the arrays written."""
+    R = rows
+    RH = R // 2                             # paired: pairs per group
     GATED, ROPE = pairing == "gated", pairing == "rope"
     PAIRED = GATED or ROPE
     HALF = head_dim // 2
-    OUTS = RH if PAIRED else R              # outputs (pairs or rows) per warp and activation row
-    ROW_WARPS = warps_per_block // S        # warps with distinct rows; S warps share each row group
-    ROWS_PER_BLOCK = ROW_WARPS * R
-    NACC = MT * R
-    NW = U * R                              # weight words per lane in a pass (pipelined: two passes in registers)
-    STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
-    # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
-    RED_SHAPE = (ROW_WARPS, NACC, S)
 
     @cuda.jit(device=True, inline=True)
     def weight_row(n0, r, N):
-        """The weight row of the warp's row r (clamped to a valid one; the store is skipped for it): n0 + r,
-        or paired, row r % (R/2) of pair n0 / 2 + r % (R/2) (its first row for r < R/2, else its second):
-        gated, gate row p or up row F + p (N = 2F); rope, row i or i + d/2 of head h for pair p = h d/2 + i."""
+        """n0 + r, or paired, row r % (R/2) of pair n0 / 2 + r % (R/2) (its first row for r < R/2, else its
+        second): gated, gate row p or up row F + p (N = 2F); rope, row i or i + d/2 of head h for pair
+        p = h d/2 + i."""
         if not PAIRED:
             return min(n0 + r, N - 1)
         pair = min(n0 // 2 + r % RH, N // 2 - 1)
@@ -293,15 +297,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
             return pair + (r // RH) * (N // 2)
         return (pair // HALF) * (2 * HALF) + pair % HALF + (r // RH) * HALF
 
-    @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
-    def load_words(w64, wv, n0, N, j0):
-        """Issue the U * R weight loads of one pass (words j0 + 32 u of the warp's R rows) into wv."""
-        for u in range(U):
-            for r in range(R):
-                wv[u * R + r] = w64[weight_row(n0, r, N), j0 + u * WARP]
-
-    # store(dst, m, j, a, b): write output j of activation row m from its row total a (paired: the totals a
-    # and b of pair j); dst holds the arrays written. One function per epilogue, picked here.
+    # One store per epilogue, picked below.
     @cuda.jit(device=True, inline=True)
     def store_row(dst, m, j, a, b):
         dst[0][m, j] = a
@@ -334,7 +330,47 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                 v_cache[block, offset, head - num_heads - num_kv_heads, i] = f32_to_bf16(a)
                 v_cache[block, offset, head - num_heads - num_kv_heads, i + HALF] = f32_to_bf16(b)
 
-    store = store_rope if ROPE else store_gated if GATED else store_row
+    return weight_row, store_rope if ROPE else store_gated if GATED else store_row
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
+                 pipelined: bool, bf16_inputs: bool, pairing: str = "", head_dim: int = 0):
+    """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
+    64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; pipelined,
+    the loads of a lane's next pass are issued before its current one is consumed; with bf16_inputs every x
+    is rounded to the nearest bf16 as it is read.
+
+    pairing: "" (plain rows n0.., out (M, N)), or an epilogue on pairs of rows, a warp's first R/2 rows
+    pairing with its last R/2 (R even). "gated": W is [gate; up] (2F rows); the pair of feature j is gate
+    row j and up row F + j, and the kernel writes silu(gate) * up (out (M, F)). "rope": W is the fused QKV
+    weight, heads of head_dim rows; the pair of (head, i) is rows i and i + head_dim/2 of the head, the two
+    halves RoPE rotates together, and the kernel (gemv_rope_kernel) writes what rope.rope_kv_write would
+    from the product: rotated q, and the rotated K and the V of each token into its cache slot."""
+    MT = m_tile
+    R = rows_per_warp
+    RH = R // 2                             # paired: pairs per warp
+    U = unroll
+    S = k_split
+    PIPE = pipelined
+    ROPE = pairing == "rope"
+    PAIRED = pairing != ""
+    OUTS = RH if PAIRED else R              # outputs (pairs or rows) per warp and activation row
+    ROW_WARPS = warps_per_block // S        # warps with distinct rows; S warps share each row group
+    ROWS_PER_BLOCK = ROW_WARPS * R
+    NACC = MT * R
+    NW = U * R                              # weight words per lane in a pass (pipelined: two passes in registers)
+    STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
+    # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
+    RED_SHAPE = (ROW_WARPS, NACC, S)
+    weight_row, store = _gemv_rows(R, pairing, head_dim)
+
+    @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
+    def load_words(w64, wv, n0, N, j0):
+        """Issue the U * R weight loads of one pass (words j0 + 32 u of the warp's R rows) into wv."""
+        for u in range(U):
+            for r in range(R):
+                wv[u * R + r] = w64[weight_row(n0, r, N), j0 + u * WARP]
 
     @cuda.jit(device=True, inline=True)
     def gemv_body(x, w64, w16, kv, dst):
@@ -467,7 +503,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                     store(dst, m0 + mm, j, a, b)
 
     @cuda.jit
-    def gemv_kernel(x, w64, w16, out, kv):
+    def gemv_kernel(x, w64, w16, kv, out):
         # out (M, N) f32, or gated (M, N/2)
         gemv_body(x, w64, w16, kv, (out,))
 
@@ -479,6 +515,126 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
 
     kernel = gemv_rope_kernel if ROPE else gemv_kernel
     kernel.rows_per_block = ROWS_PER_BLOCK
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, k: int, bf16_inputs: bool,
+                        pairing: str = "", head_dim: int = 0):
+    """The staged gemv kernel (GemvStaged) for m_tile activation rows per block and K = k (a multiple of 8,
+    compiled in: the shared tile's size): a block copies its rows_per_block weight rows whole into shared
+    memory with cp.async before the PDL wait, then multiplies them by x; pairing as in _gemv_kernel."""
+    MT = m_tile
+    R = rows_per_block
+    RH = R // 2
+    PAIRED = pairing != ""
+    OUTS = RH if PAIRED else R
+    THREADS = WARP * warps_per_block
+    KW = k // 4                      # uint64 words (4 bf16) per row
+    COPIES = KW // 2                 # 16-byte copies per row (k % 8 == 0)
+    WPT = -(-KW // THREADS)          # words of each row per thread
+    GUARD = KW % THREADS != 0        # some threads' last word is past the row
+    NACC = MT * R
+    # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
+    TILE = R * KW
+    XN = MT * 4 * WPT
+    RED_SHAPE = (warps_per_block, NACC)
+    weight_row, store = _gemv_rows(R, pairing, head_dim)
+    wait_copies = cp_async_wait(0)
+
+    @cuda.jit(device=True, inline=True)
+    def staged_body(x, w64, dst):
+        """x (M, k) f32; w64 (N * k/4,) u64, the weight flat (4 bf16 per word); dst: the arrays `store`
+        writes."""
+        M = x.shape[0]
+        N = w64.shape[0] // KW
+        NCOLS = N // 2 if PAIRED else N
+        t = cuda.threadIdx.x
+        lane, warp = t % WARP, t // WARP
+        n0 = cuda.blockIdx.x * R
+        m0 = cuda.blockIdx.y * MT
+        tile = cuda.shared.array(TILE, uint64, alignment=SHARED_ALIGN)   # row r: words r*KW ..
+        red = cuda.shared.array(RED_SHAPE, float32)
+
+        # The whole tile is requested before the wait (weights are never written): under PDL it streams in
+        # while the kernel producing x finishes, and it waits in shared memory, not registers, so that this
+        # block holds few registers and the next kernel's blocks can be resident and loading too.
+        pdl.launch_dependents()
+        for c in range(t, R * COPIES, THREADS):
+            r, j = c // COPIES, 2 * (c % COPIES)
+            cp_async_16(tile, r * KW + j, w64, weight_row(n0, r, N) * KW + j, True)
+        cp_async_commit()
+        pdl.grid_wait()
+
+        # x for this thread's words t, t + THREADS, .. of a row (4 each), for the block's MT activation rows:
+        # loaded while the tile may still be landing
+        xr = cuda.local.array(XN, float32)
+        for mm in range(MT):
+            mi = min(m0 + mm, M - 1)
+            for i in range(WPT):
+                kk = 4 * min(t + i * THREADS, KW - 1)    # clamped; a word past the row is skipped below
+                x0, x1, x2, x3 = x[mi, kk], x[mi, kk + 1], x[mi, kk + 2], x[mi, kk + 3]
+                if bf16_inputs:
+                    x0, x1 = round_bf16_pair(x0, x1)
+                    x2, x3 = round_bf16_pair(x2, x3)
+                b = (mm * WPT + i) * 4
+                xr[b] = x0
+                xr[b + 1] = x1
+                xr[b + 2] = x2
+                xr[b + 3] = x3
+        wait_copies()
+        cuda.syncthreads()
+
+        # Consecutive threads read consecutive 8-byte words of a tile row: conflict-free shared loads.
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+        for i in range(WPT):
+            w = t + i * THREADS
+            if not GUARD or w < KW:
+                for r in range(R):
+                    word = tile[r * KW + w]
+                    w0, w1 = _low_pair(word)
+                    w2, w3 = _high_pair(word)
+                    for mm in range(MT):
+                        b = (mm * WPT + i) * 4
+                        a = acc[mm * R + r]
+                        a += xr[b] * w0
+                        a += xr[b + 1] * w1
+                        a += xr[b + 2] * w2
+                        a += xr[b + 3] * w3
+                        acc[mm * R + r] = a
+
+        # Every warp's sums meet in shared memory and are added in warp order (deterministic).
+        for i in range(NACC):
+            total = warp_sum(acc[i])
+            if lane == 0:
+                red[warp, i] = total
+        cuda.syncthreads()
+        if t < MT * OUTS:
+            mm, o = t // OUTS, t % OUTS
+            a = red[0, mm * R + o]
+            b = red[0, mm * R + RH + o] if PAIRED else a
+            for p in range(1, warps_per_block):
+                a += red[p, mm * R + o]
+                if PAIRED:
+                    b += red[p, mm * R + RH + o]
+            j = (n0 // 2 if PAIRED else n0) + o
+            if m0 + mm < M and j < NCOLS:
+                store(dst, m0 + mm, j, a, b)
+
+    @cuda.jit
+    def gemv_staged_kernel(x, w64, out):
+        # out (M, N) f32, or gated (M, N/2)
+        staged_body(x, w64, (out,))
+
+    @cuda.jit
+    def gemv_staged_rope_kernel(x, w64, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping):
+        # the arguments of gemv_rope_kernel (no w16, no kv)
+        staged_body(x, w64, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
+
+    kernel = gemv_staged_rope_kernel if pairing == "rope" else gemv_staged_kernel
+    kernel.rows_per_block = R
     return kernel
 
 
@@ -954,6 +1110,12 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     bytes (4,460 and 4,360) is mostly the x reads: without them (x a constant, same loads and FMAs) QKV took
     3.27 us against 4.36 and O 2.28 against 2.86 (BENCHMARKS.md, 2026-12-04 fifth run). Staging x a pass
     ahead in registers, or once per block in shared memory, was slower; so were 8 rows per warp.
+    NOTE: the picks above hold 80-128 registers per thread (offline ptxas): QKV's 384 blocks of 128 threads x
+    128 registers take about 3 of the 4 blocks an SM's register file holds, so little of the next kernel
+    can be resident, and loading, before they exit (an inference from the register counts, not measured;
+    it would also explain why the read probe, with fewer registers, overlaps more). The staged gemv (GemvStaged) holds its weights in shared memory instead (40-55
+    registers); it was written in a session without a GPU and is not picked until it is timed
+    (tools/kernel_benchmarks/matmul.py --gemv, tools/profile_step.py --gemv N,K=staged,R,W).
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:
@@ -979,12 +1141,14 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     flight per row and K split (tuning); by default gemv_config(M, N, K).
     gated: W is the fused [gate; up] (2F, K) and out (M, F) <- silu(x @ gate^T) * (x @ up^T), the SiLU*mul
     in the epilogue (config.rows_per_warp must be even: a warp pairs its gate and up rows).
+    config may also be a GemvStaged (the staged gemv; K % 8 == 0 and its tile within static shared memory,
+    else ValueError; gated: rows_per_block even).
     """
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
     setup = _gemv_setup(weight, M, N, K, config, bf16_inputs, "gated" if gated else "")
     if setup:
-        kernel, grid, block, w64, w16, kv = setup
-        launch(kernel, grid, block, stream, x, w64, w16, out, kv, dependent=True)
+        kernel, grid, block, weight_args = setup
+        launch(kernel, grid, block, stream, x, *weight_args, out, dependent=True)
 
 
 def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0,
@@ -993,7 +1157,8 @@ def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_
     (W the fused QKV weight, (Hq + 2 Hkv) d rows) only the results are written: q_out (M, Hq, d) the rotated
     queries, and each token's rotated K and its V into the caches at slot_mapping[m] (-1: not written).
     positions, cos, sin, k_cache, v_cache, slot_mapping as rope.rope_kv_write takes them; weight and config
-    as gemv (config.rows_per_warp must be even: a warp pairs rows i and i + d/2 of a head)."""
+    as gemv (config.rows_per_warp, or a GemvStaged's rows_per_block, must be even: rows i and i + d/2 of a
+    head are paired)."""
     M, N, K = _check_args(x, weight, None, allow_u64_weight=True)
     t, hq, hkv, d = rope.check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out)
     if (M, N) != (t, (hq + 2 * hkv) * d):
@@ -1002,17 +1167,31 @@ def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_
                          f"Hkv={hkv}, d={d}")
     setup = _gemv_setup(weight, M, N, K, config, bf16_inputs, "rope", d)
     if setup:
-        kernel, grid, block, w64, w16, kv = setup
-        launch(kernel, grid, block, stream, x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping,
-               dependent=True)
+        kernel, grid, block, weight_args = setup
+        launch(kernel, grid, block, stream, x, *weight_args, q_out, positions, cos, sin, k_cache, v_cache,
+               slot_mapping, dependent=True)
+
+
+def _m_tile(m: int) -> int:
+    """Activation rows per gemv block for x of m rows: the smallest compiled m_tile >= m (at most 8)."""
+    return next((t for t in _GEMV_M_TILES if t >= m), _GEMV_M_TILES[-1])
+
+
+def gemv_staged_shared_bytes(config: GemvStaged, m: int, k: int) -> int:
+    """Static shared memory of the staged gemv at x (m, k): the weight tile and the warps' partial sums."""
+    rows, warps = config
+    return rows * k * 2 + warps * _m_tile(m) * rows * 4
 
 
 def _gemv_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
-    """(the gemv kernel, its grid and block, w64, w16, kv) for x (M, K) @ weight^T, or None when there is
-    nothing to compute; checks config."""
+    """(the gemv kernel, its grid and block, the weight arguments it takes after x) for x (M, K) @ weight^T,
+    or None when there is nothing to compute; checks config."""
     if M == 0 or N == 0:
         return None
-    config = GemvConfig(*config) if config else gemv_config(M, N, K)
+    config = config or gemv_config(M, N, K)
+    if isinstance(config, GemvStaged):
+        return _gemv_staged_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim)
+    config = GemvConfig(*config)
     if config.warps_per_block % config.k_split or not 1 <= config.warps_per_block <= 32 or config.unroll < 1:
         raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32, a multiple of k_split, "
                          f"and unroll >= 1")
@@ -1025,10 +1204,30 @@ def _gemv_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
         w64, w16, kv = view(weight, dtype=np.uint64), weight, K // 4
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
-    m_tile = next((t for t in _GEMV_M_TILES if t >= M), _GEMV_M_TILES[-1])
+    m_tile = _m_tile(M)
     kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim)
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    return kernel, grid, WARP * config.warps_per_block, w64, w16, kv
+    return kernel, grid, WARP * config.warps_per_block, (w64, w16, kv)
+
+
+def _gemv_staged_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim):
+    """_gemv_setup for a GemvStaged config."""
+    rows, warps = config
+    if not 1 <= warps <= 32 or rows < 1 or (pairing and rows % 2):
+        raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32 and rows_per_block >= 1 "
+                         f"(even for a {pairing or 'paired'} gemv: a block pairs rows)")
+    if K % 8 or not weight.is_c_contiguous():
+        raise ValueError(f"gemv config {config}: the staged gemv copies rows in 16-byte pieces, so it needs K % 8 "
+                         f"== 0 and a C-contiguous weight; got K = {K}, weight strides {weight.strides}")
+    shared = gemv_staged_shared_bytes(config, M, K)
+    if shared > STATIC_SHARED_LIMIT:
+        raise ValueError(f"gemv config {config}: {rows} rows of K = {K} need {shared} bytes of shared memory "
+                         f"at M = {M}, over the {STATIC_SHARED_LIMIT} a kernel gets without opting in: use fewer "
+                         f"rows per block")
+    m_tile = _m_tile(M)
+    kernel = _gemv_staged_kernel(m_tile, rows, warps, K, bool(bf16_inputs), pairing, head_dim)
+    grid = (-(-N // rows), -(-M // m_tile))
+    return kernel, grid, WARP * warps, (view(weight, shape=(N * K // 4,), dtype=np.uint64),)
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):

@@ -2,6 +2,7 @@
 
     python3 tools/offline_compile.py [--cuda-home /usr/local/cuda] [--block-size 16]
     python3 tools/offline_compile.py --attention-warps   # the fast decode attention's warp bound
+    python3 tools/offline_compile.py --gemv 3072,2048=staged,8,4 2048,2048=staged,4,4
 
 GPU time is scarce and CI has no GPU, while the simulator never compiles a kernel: a kernel that types in
 the simulator can still fail to compile for the device (a libdevice function that does not exist, an
@@ -12,6 +13,10 @@ steps at batch 1 and 8 with every launch intercepted. Each kernel is compiled by
 capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
 registers, spills and shared memory per kernel is printed. Nothing executes, so nothing is checked for
 correctness: that is what the GPU test profile is for.
+
+--gemv N,K=CONFIG (as tools/profile_step.py takes it, e.g. `--gemv 3072,2048=staged,8,4`) compiles the
+runner's steps with gemv's configuration for those weight shapes overridden: a configuration the policy does
+not pick yet can be checked for spills before a GPU run.
 
 --attention-warps compiles the fast decode attention (paged_attention's direct and split kernels) at the
 most warps its launcher accepts, for head sizes 8-128, GQA groups 1-8 and both lanes-per-key settings, and
@@ -246,12 +251,16 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-warps", action="store_true",
                         help="check the fast decode attention's largest warp count against the register file")
+    parser.add_argument("--gemv", nargs="+", default=[], metavar="N,K=CONFIG",
+                        help="gemv configurations for these weight shapes instead of gemv_config's")
     args = parser.parse_args()
     report: list = []
     install(args.cuda_home, report)
     if args.attention_warps:
         return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size) else 0
-    run_steps(args.block_size)
+    from tools.profile_step import gemv_override, with_gemv_configs
+
+    with_gemv_configs(lambda: run_steps(args.block_size), dict(gemv_override(t) for t in args.gemv))
     print("| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     failed, seen = 0, set()

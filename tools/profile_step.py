@@ -2,6 +2,7 @@
 
     python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision fp32] [--json out.json]
                                   [--ablate] [--gemv N,K=WARPS,ROWS,UNROLL,SPLIT[,PIPELINED] ...]
+                                  [--gemv N,K=staged,ROWS,WARPS ...]
 
 For each batch size: a Llama-3.2-1B-shaped random model (or --model) serves `batch` requests with a
 `context`-token prompt until they decode; then the decode step the engine replays is captured again with a
@@ -18,7 +19,8 @@ the real, overlapped step (the skipped kernels' outputs are stale, so only the t
 --gemv captures the plain graph again with gemv's configuration for an (N, K) weight overridden, and times
 it against the default choice: the way to tune gemv_config under PDL, where a kernel's prologue overlaps its
 producer. One --gemv option is one variant and may name several shapes
-(`--gemv 3072,2048=8,4,4,4 2048,2048=8,4,4,4`); repeat the option for more variants.
+(`--gemv 3072,2048=8,4,4,4 2048,2048=8,4,4,4`); repeat the option for more variants. `N,K=staged,ROWS,WARPS`
+names a matmul.GemvStaged configuration (whole rows staged in shared memory).
 """
 
 from __future__ import annotations
@@ -233,11 +235,14 @@ def table(result: dict) -> str:
 
 
 def gemv_override(text: str) -> tuple:
-    """'N,K=W,R,U,S[,P]' -> ((N, K), GemvConfig(W, R, U, S, P)), P 1 for a pipelined configuration."""
-    from cuda_kernels.matmul import GemvConfig
+    """'N,K=W,R,U,S[,P]' -> ((N, K), GemvConfig(W, R, U, S, P)), P 1 for a pipelined configuration;
+    'N,K=staged,ROWS,W' -> ((N, K), GemvStaged(ROWS, W))."""
+    from cuda_kernels.matmul import GemvConfig, GemvStaged
 
     shape, config = text.split("=")
     n, k = (int(v) for v in shape.split(","))
+    if config.startswith("staged,"):
+        return (n, k), GemvStaged(*(int(v) for v in config.split(",")[1:]))
     values = [int(v) for v in config.split(",")]
     return (n, k), GemvConfig(*values[:4], *(bool(v) for v in values[4:]))
 
@@ -250,7 +255,7 @@ def main() -> int:
     p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--json", type=Path)
     p.add_argument("--ablate", action="store_true", help="time the step without each kernel function in turn")
-    p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S[,P]",
+    p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S[,P]|N,K=staged,R,W",
                    help="one variant of gemv configurations per option (repeatable)")
     args = p.parse_args()
     variants = tuple(dict(v) for v in args.gemv)

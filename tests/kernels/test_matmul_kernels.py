@@ -342,6 +342,78 @@ def test_gemv_rope_checks():
                      q_out)
 
 
+# The staged gemv (whole weight rows copied into shared memory before the PDL wait): plain rows, then the gated
+# and RoPE epilogues. Odd rows per block and K / 4 not a multiple of the threads (the guarded last word) in the
+# simulator, with K large enough in some examples that every warp holds words (else a lost warp sum would pass);
+# the configurations worth timing on the 1B shapes on the GPU.
+STAGED_CONFIGS = [mm.GemvStaged(2, 1), mm.GemvStaged(3, 2), mm.GemvStaged(4, 2)]
+if not SIM:
+    STAGED_CONFIGS += [mm.GemvStaged(8, 4), mm.GemvStaged(4, 4), mm.GemvStaged(8, 2), mm.GemvStaged(2, 8)]
+STAGED_PAIRED_CONFIGS = [c for c in STAGED_CONFIGS if c.rows_per_block % 2 == 0]
+
+
+def staged_k(config, k, m):
+    """k cut down to the largest multiple of 8 whose tile fits the static shared memory at m rows of x."""
+    while mm.gemv_staged_shared_bytes(config, m, k) > STATIC_SHARED_LIMIT:
+        k -= 8
+    return k
+
+
+staged_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 40).map(lambda c: 8 * c)) if SIM else
+                 st.one_of(st.sampled_from(LLAMA_1B_WEIGHTS[:4]),
+                           st.tuples(st.integers(1, 3000), st.integers(1, 1000).map(lambda c: 8 * c))))
+
+
+@pytest.mark.parametrize("config", STAGED_CONFIGS)
+@settings(max_examples=pick(3, 6))
+@given(seeds, st.sampled_from([1, 2, 3, 8, 9]), staged_shapes, x_scales, w_scales, st.booleans())
+@example(seed=0, m=2, nk=(5, 320), x_scale=1.0, w_scale=1.0, bf16_inputs=False)  # always: every warp has words
+def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs):
+    """Plain rows: N not a multiple of the block's rows, M over several chunks of 8, both input precisions."""
+    n, k = nk
+    k = staged_k(config, k, m)
+    m = cap_m(m, n, k)
+    x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
+    check(run(mm.gemv, x, w, config=config, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+
+
+@pytest.mark.parametrize("config", STAGED_PAIRED_CONFIGS)
+@settings(max_examples=pick(2, 4))
+@given(seeds, st.sampled_from([1, 3, 8]), st.sampled_from(pick([(5, 16), (3, 264)], [(8192, 2048), (1000, 512)])),
+       st.booleans())
+def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
+    f, k = fk
+    x, w = make_inputs(seed, m, 2 * f, staged_k(config, k, m))
+    out = stale_out(m, f)
+    mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
+    check_gated(out, x, w, bf16_inputs)
+
+
+@pytest.mark.parametrize("config", STAGED_PAIRED_CONFIGS)
+@settings(max_examples=pick(2, 4))
+@given(seeds, st.sampled_from([1, 2, 8]), rope_heads, st.sampled_from(pick([8, 136], [2048, 1024])),
+       st.sampled_from([4, 16]), st.booleans())
+def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
+    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, staged_k(config, k, m), block_size)
+    q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
+    k_dev, v_dev = to_device(cache), to_device(cache)
+    mm.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
+                 to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs)
+    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
+
+
+def test_gemv_staged_checks():
+    x, out = device_empty((1, 12), np.float32), device_empty((1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"K % 8 == 0 .* got K = 12"):
+        mm.gemv(x, device_empty((4, 12), np.uint16), out, config=mm.GemvStaged(2, 1))
+    x = device_empty((1, 8192), np.float32)
+    with pytest.raises(ValueError, match="3 rows of K = 8192 need 49164 bytes of shared memory"):
+        mm.gemv(x, device_empty((4, 8192), np.uint16), out, config=mm.GemvStaged(3, 1))
+    with pytest.raises(ValueError, match="even for a gated gemv"):
+        mm.gemv(device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 2), np.float32),
+                config=mm.GemvStaged(3, 1), gated=True)
+
+
 def test_gemv_config_checks():
     x, w, out = device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 4), np.float32)
     with pytest.raises(ValueError, match="multiple of k_split"):

@@ -31,6 +31,7 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (the numpy shim before numba.cuda, for `python -m` runs)
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import matmul as mm
+from cuda_kernels.launch import STATIC_SHARED_LIMIT
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.matmul import matmul as reference_matmul
@@ -220,14 +221,20 @@ GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_S
                                 (8, 4, 4, 4), (8, 2, 4, 4, True), (4, 2, 4, 2, True))]
 # the few of them timed at M > 1 as well (M rows share each weight read there)
 GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4), mm.GemvConfig(4, 2, 4, 2, True)]
+# the staged gemv (rows_per_block, warps): timed where its tile fits the static shared memory (K = 2048: up to
+# 8 rows; K = 8192: 2)
+GEMV_STAGED_CANDIDATES = [mm.GemvStaged(*c) for c in ((8, 4), (4, 4), (8, 2), (4, 2), (8, 8), (2, 2), (2, 4), (2, 8),
+                                                       (1, 8))]
 COLD_BYTES = 256 << 20   # weight copies cycled through per timed graph: 5x the H200's 50 MB L2
 
 
-def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m=GEMV_CANDIDATES_M) -> list[Case]:
+def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m=GEMV_CANDIDATES_M,
+               staged=GEMV_STAGED_CANDIDATES) -> list[Case]:
     """Decode-sized matmuls with the weight cold in L2, as in a real step (each layer's weights are read once
     per step, 2.47 GB in all): every launch of the timed graph reads the next of enough copies of the weight
-    to overflow L2. gemv in each of `configs` at M = 1 and of `configs_m` above, plus gemm_tc's policy tile at the same M (the
-    engine's alternative above GEMV_MAX_M) and at M = 16. bytes_moved: one weight + x + out."""
+    to overflow L2. gemv in each of `configs` at M = 1 and of `configs_m` above, and in each `staged`
+    configuration whose tile fits (M = 1 and 2), plus gemm_tc's policy tile at the same M (the engine's
+    alternative above GEMV_MAX_M) and at M = 16. bytes_moved: one weight + x + out."""
     rng = np.random.default_rng(1)
     out = []
     for wname, n, k in WEIGHTS:
@@ -241,6 +248,8 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
             runs = [("gemm_tc", mm.gemm_tc, {})] if m > 1 else []
             runs += [(f"gemv {tuple(c)}", mm.gemv, {"config": c})
                      for c in (configs if m == 1 else configs_m if m <= 8 else ())]
+            runs += [(f"gemv staged {tuple(c)}", mm.gemv, {"config": c})
+                     for c in (staged if m <= 2 else ()) if mm.gemv_staged_shared_bytes(c, m, k) <= STATIC_SHARED_LIMIT]
             for label, launcher, kwargs in runs:
                 out.append(_cold_case(f"{label} {wname} cold {m}x{k} @ {n}x{k}^T", launcher, x, w, dx, copies,
                                       dout, kwargs))
