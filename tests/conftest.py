@@ -3,7 +3,9 @@
 TINYVLLM_TEST_PROFILE selects where kernels run and how hard hypothesis looks:
 - "sim" (the default, what CI uses): Numba's CUDA simulator, tiny shapes, few examples;
 - "gpu": a real CUDA GPU, real shapes, more examples.
-TINYVLLM_TEST_EXAMPLES, if set, is the number of examples per hypothesis test in either profile.
+TINYVLLM_TEST_EXAMPLES, if set, is the number of examples per hypothesis test in either profile: the
+profile's default, and the kernel tests' own counts (kernel_support.examples). The few CPU-only tests that
+fix their own count (tokenizer, block manager, reference model) keep it.
 The simulator has to be switched on before numba.cuda is first imported, hence this happens at the top.
 """
 

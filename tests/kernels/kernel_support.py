@@ -20,11 +20,19 @@ from tinyvllm.config import RopeScaling  # noqa: E402
 LLAMA3 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 SIM = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "sim"
+EXAMPLES = os.environ.get("TINYVLLM_TEST_EXAMPLES")
 
 
 def pick(sim_value, gpu_value):
     """The simulator's value or the GPU's, by profile."""
     return sim_value if SIM else gpu_value
+
+
+def examples(sim_value: int, gpu_value: int) -> int:
+    """A test's hypothesis max_examples: the profile's value, or TINYVLLM_TEST_EXAMPLES when that is set.
+    NOTE: a test's own @settings(max_examples=...) replaces the profile's count (tests/conftest.py), so the
+    variable has to be honoured here as well, or it would not shorten a GPU pass at all."""
+    return int(EXAMPLES) if EXAMPLES else pick(sim_value, gpu_value)
 
 
 def sizes(sim_max: int, gpu_choices: list[int], gpu_max: int | None = None):

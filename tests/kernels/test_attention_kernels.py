@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from kernel_support import F32_EPS, SIM, assert_close, device_empty, pick, to_device
+from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, pick, to_device
 
 from numba import cuda
 
@@ -143,7 +143,7 @@ def devices(*arrays):
 # decode: PagedAttention v1 (the teaching version)
 
 
-@settings(max_examples=pick(10, 60))
+@settings(max_examples=examples(10, 60))
 @given(seeds, decode_contexts(), heads, head_dims, block_sizes, kinds)
 # always: two KV heads of two query heads each, and a warp that walks several tiles (rescaling its state)
 @example(seed=1, contexts=[300, 3], hg=(2, 2), d=16, block_size=3, kind="normal")
@@ -183,7 +183,7 @@ def decode_reference(q, k_cache, v_cache, tables, lens, scale):
 fast_warp_counts = st.sampled_from(pick([None, 1, 3], [None, 8, "most"]))
 
 
-@settings(max_examples=pick(10, 80))
+@settings(max_examples=examples(10, 80))
 @given(seeds, decode_contexts(shortest=0), fast_heads, fast_head_dims, st.sampled_from([16, 32]), kinds,
        st.sampled_from([4, 8]), fast_splits, fast_warp_counts)
 # always: padding, a one-token and a multi-block context in one batch, split into several partitions; a group
@@ -214,7 +214,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
 
-@settings(max_examples=pick(4, 10))
+@settings(max_examples=examples(4, 10))
 @given(seeds, st.lists(st.integers(1, pick(40, 128)), min_size=1, max_size=pick(2, 8)), st.booleans())
 @example(seed=3, contexts=[1, 17, 40], split=True)
 def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, split):
@@ -319,7 +319,7 @@ def test_decode_lanes_policy():
 partition_sizes = st.sampled_from(pick([1, 7, 16, 32, 64], [64, 256, 512, 100, 2048]))
 
 
-@settings(max_examples=pick(8, 40))
+@settings(max_examples=examples(8, 40))
 @given(seeds, decode_contexts(), heads, head_dims, block_sizes, partition_sizes, st.integers(0, 2), kinds)
 @example(seed=1, contexts=[300, 3], hg=(2, 2), d=16, block_size=16, partition_size=160, extra_partitions=1,
          kind="normal")
@@ -362,7 +362,7 @@ def test_paged_attention_split_partials_and_output(seed, contexts, hg, d, block_
     np.testing.assert_allclose(got_normalised[live], want_normalised[live], atol=atol, rtol=4 * F32_EPS)
 
 
-@settings(max_examples=pick(6, 40))
+@settings(max_examples=examples(6, 40))
 @given(seeds, decode_contexts(), heads, head_dims, partition_sizes, kinds)
 def test_paged_attention_reduce_merges_reference_partials(seed, contexts, hg, d, partition_size, kind):
     rng = np.random.default_rng(seed)
@@ -378,7 +378,7 @@ def test_paged_attention_reduce_merges_reference_partials(seed, contexts, hg, d,
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
 
-@settings(max_examples=pick(40, 100))
+@settings(max_examples=examples(40, 100))
 @given(seeds, st.lists(st.integers(1, 200), min_size=1, max_size=4), heads, st.sampled_from([8, 16]),
        st.sampled_from([1, 3, 16]), st.integers(1, 80), kinds)
 def test_reference_split_k_equals_paged_attention(seed, contexts, hg, d, block_size, partition_size, kind):
@@ -445,14 +445,14 @@ def run_prefill(launcher, rng, chunks, hkv, group, d, block_size, kind):
     assert_close(out, want, atol=atol, rtol=4 * F32_EPS)
 
 
-@settings(max_examples=pick(10, 60))
+@settings(max_examples=examples(10, 60))
 @given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds)
 @example(seed=1, chunks=[(9, 60), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal")
 def test_prefill_attention_matches_reference(seed, chunks, hg, d, block_size, kind):
     run_prefill(attention.prefill_attention, np.random.default_rng(seed), chunks, *hg, d, block_size, kind)
 
 
-@settings(max_examples=pick(5, 30))
+@settings(max_examples=examples(5, 30))
 @given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds)
 def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_size, kind):
     if SIM:  # one simulated block per (query token, head): keep the batch small
@@ -468,7 +468,7 @@ def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_si
 tc_head_dims = st.sampled_from(pick([16, 32], [64, 64, 128, 16, 32]))
 
 
-@settings(max_examples=pick(6, 60))
+@settings(max_examples=examples(6, 60))
 @given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]))
 @example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None)
 def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size, kind, keys):

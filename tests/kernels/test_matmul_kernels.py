@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from kernel_support import F32_EPS, LLAMA3, SIM, device_empty, dot_tolerance, pick, sizes, to_device
+from kernel_support import F32_EPS, LLAMA3, SIM, device_empty, dot_tolerance, examples, pick, sizes, to_device
 from numba import cuda
 
 from cuda_kernels import async_copy
@@ -101,7 +101,7 @@ def run(launcher, x, w, **kwargs):
 # each version against the reference
 # ---------------------------------------------------------------------------------------------------------
 
-@settings(max_examples=pick(8, 10))
+@settings(max_examples=examples(8, 10))
 @given(seeds, sizes(9, [1, 2, 7]), weight_shapes(40, 80), x_scales, w_scales, st.booleans())
 def test_matmul_naive(seed, m, nk, x_scale, w_scale, bf16_inputs):
     n, k = nk
@@ -124,7 +124,7 @@ if not SIM:
 
 
 @pytest.mark.parametrize("path", ["u64", "u64-view-given", "scalar"])
-@settings(max_examples=pick(4, 15))
+@settings(max_examples=examples(4, 15))
 @given(seeds, sizes(9, [1, 2, 3, 7, 8], 16), weight_shapes(20, 64), x_scales, w_scales,
        st.sampled_from(GEMV_CONFIGS), st.booleans())
 def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
@@ -153,7 +153,7 @@ def test_gemv_config_policy(m, n, k, want):
 # NOTE: the configurations are parameters, not drawn by hypothesis: drawn, a given one went untested in about a
 # quarter of the runs (6 examples over 5 configurations), so a bug in one code path could pass CI.
 @pytest.mark.parametrize("config", GEMV_PASS_CONFIGS)
-@settings(max_examples=pick(2, 4))
+@settings(max_examples=examples(2, 4))
 @given(seeds, st.integers(0, 2), st.integers(0, 40), st.integers(0, 3), st.sampled_from([1, 2, 5, 8]),
        st.integers(1, 9), st.booleans())
 @example(seed=0, passes=2, words=3, tail=1, m=2, n=5, bf16_inputs=False)  # always: a pipelined config's 2nd pass
@@ -211,7 +211,7 @@ gated_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 300)) if SIM else
 
 
 @pytest.mark.parametrize("config", GATED_CONFIGS)
-@settings(max_examples=pick(3, 4))
+@settings(max_examples=examples(3, 4))
 @given(seeds, st.sampled_from([1, 2, 3, 5, 8]), gated_shapes, x_scales, st.booleans())
 def test_gemv_gated(config, seed, m, fk, x_scale, bf16_inputs):
     """The SiLU*mul epilogue: F not a multiple of a block's features, K with and without a uint64 view and a
@@ -223,7 +223,7 @@ def test_gemv_gated(config, seed, m, fk, x_scale, bf16_inputs):
     check_gated(out, x, w, bf16_inputs)
 
 
-@settings(max_examples=pick(4, 8))
+@settings(max_examples=examples(4, 8))
 @given(seeds, st.sampled_from(pick([1, 3, 20], [1, 4, 5, 64, 200])), st.booleans(), st.booleans())
 def test_gated_matmul_dispatch(seed, m, bf16_inputs, with_workspace):
     """The engine's entry point: the gated gemv at decode sizes; above, gemm_pipelined's gated epilogue when
@@ -301,7 +301,7 @@ if not SIM:
 
 
 @pytest.mark.parametrize("config", ROPE_CONFIGS)
-@settings(max_examples=pick(3, 4))
+@settings(max_examples=examples(3, 4))
 @given(seeds, st.sampled_from([1, 2, 3, 8]), rope_heads, st.sampled_from(pick([4, 20, 70], [2048, 1000, 8192])),
        st.sampled_from([4, 16]), st.booleans())
 def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs):
@@ -315,7 +315,7 @@ def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs):
     check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
 
 
-@settings(max_examples=pick(3, 6))
+@settings(max_examples=examples(3, 6))
 @given(seeds, st.sampled_from(pick([1, 20], [1, 8, 64])), st.booleans())
 def test_matmul_rope_kv_write_dispatch(seed, m, bf16_inputs):
     """The engine's entry point: gemv_rope at decode sizes, matmul + rope.rope_kv_write above."""
@@ -365,7 +365,7 @@ staged_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 40).map(lambda c: 8
 
 
 @pytest.mark.parametrize("config", STAGED_CONFIGS)
-@settings(max_examples=pick(3, 6))
+@settings(max_examples=examples(3, 6))
 @given(seeds, st.sampled_from([1, 2, 3, 8, 9]), staged_shapes, x_scales, w_scales, st.booleans())
 @example(seed=0, m=2, nk=(5, 320), x_scale=1.0, w_scale=1.0, bf16_inputs=False)  # always: every warp has words
 def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs):
@@ -378,7 +378,7 @@ def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs):
 
 
 @pytest.mark.parametrize("config", STAGED_PAIRED_CONFIGS)
-@settings(max_examples=pick(2, 4))
+@settings(max_examples=examples(2, 4))
 @given(seeds, st.sampled_from([1, 3, 8]), st.sampled_from(pick([(5, 16), (3, 264)], [(8192, 2048), (1000, 512)])),
        st.booleans())
 def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
@@ -390,7 +390,7 @@ def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
 
 
 @pytest.mark.parametrize("config", STAGED_PAIRED_CONFIGS)
-@settings(max_examples=pick(2, 4))
+@settings(max_examples=examples(2, 4))
 @given(seeds, st.sampled_from([1, 2, 8]), rope_heads, st.sampled_from(pick([8, 136], [2048, 1024])),
        st.sampled_from([4, 16]), st.booleans())
 def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
@@ -420,7 +420,7 @@ def test_gemv_config_checks():
         mm.gemv(x, w, out, config=mm.GemvConfig(3, 1, 1, 2))
 
 
-@settings(max_examples=pick(6, 15))
+@settings(max_examples=examples(6, 15))
 @given(seeds, sizes(9, [16, 64, 256, 1024], 1100), weight_shapes(70, 40), x_scales, w_scales, st.booleans())
 def test_gemm(seed, m, nk, x_scale, w_scale, bf16_inputs):
     """The engine's 64 x 64 tile. Simulator shapes: one tile row, one or two tile columns, partial K slabs."""
@@ -434,7 +434,7 @@ def test_gemm(seed, m, nk, x_scale, w_scale, bf16_inputs):
 SMALL_TILES = [mm.GemmTile(16, 16, 8, 2, 2), mm.GemmTile(32, 16, 8, 4, 2)]
 
 
-@settings(max_examples=pick(8, 10))
+@settings(max_examples=examples(8, 10))
 @given(seeds, sizes(40, [16, 64, 256], 700), weight_shapes(40, 40), x_scales, w_scales,
        st.sampled_from(SMALL_TILES), st.booleans())
 def test_gemm_small_tiles(seed, m, nk, x_scale, w_scale, tile, bf16_inputs):
@@ -444,7 +444,7 @@ def test_gemm_small_tiles(seed, m, nk, x_scale, w_scale, tile, bf16_inputs):
     check(run(mm.gemm, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
-@settings(max_examples=pick(5, 10))
+@settings(max_examples=examples(5, 10))
 @given(seeds)
 def test_mma_fragment_layout(seed):
     """One warp, one 16 x 8 x 16 mma through the PTX fragment layout. Small integers keep every product and
@@ -458,7 +458,7 @@ def test_mma_fragment_layout(seed):
     np.testing.assert_array_equal(d.copy_to_host(), a @ b + c)
 
 
-@settings(max_examples=pick(5, 10))
+@settings(max_examples=examples(5, 10))
 @given(seeds, x_scales, w_scales)
 def test_mma_fragment_random_values(seed, x_scale, w_scale):
     """The same product of random bf16 values: exact products, fp32 sums (the tensor core's own order)."""
@@ -484,7 +484,7 @@ SIM_TC_TILES = [mm.GEMM_TC_SIM_TILE, mm.GemmTcTile(32, 16, 32, 16, 8), mm.GemmTc
 TC_TILES = SIM_TC_TILES if SIM else GPU_TC_TILES
 
 
-@settings(max_examples=pick(6, 20))
+@settings(max_examples=examples(6, 20))
 @given(seeds, sizes(20, [16, 64, 256, 1024], 1100), weight_shapes(24, 40), x_scales, w_scales, st.booleans())
 def test_gemm_tc(seed, m, nk, x_scale, w_scale, bf16_inputs):
     """The launcher's default tile (the policy's on the GPU, GEMM_TC_SIM_TILE in the simulator). K % 4 != 0
@@ -496,7 +496,7 @@ def test_gemm_tc(seed, m, nk, x_scale, w_scale, bf16_inputs):
 
 
 @pytest.mark.parametrize("tile", TC_TILES, ids=lambda t: "x".join(map(str, t)))
-@settings(max_examples=pick(2, 8))
+@settings(max_examples=examples(2, 8))
 @given(seeds, sizes(40, [16, 64, 256, 1024], 700), weight_shapes(36, 150), st.booleans())
 def test_gemm_tc_tiles(tile, seed, m, nk, bf16_inputs):
     """Each tile, both precisions: partial tiles along M and N, K past one slab or short of it."""
@@ -546,7 +546,7 @@ def test_gemm_tc_keeps_infinity(bf16_inputs):
     check(got[:1], x[:1], w, bf16_inputs)
 
 
-@settings(max_examples=pick(5, 15))
+@settings(max_examples=examples(5, 15))
 @given(seeds, sizes(12, [1, 2, 7, 8, 9, 16, 64, 256, 1024], 1100), weight_shapes(24, 40), st.booleans())
 def test_matmul_dispatch(seed, m, nk, bf16_inputs):
     """The engine's entry point on both sides of GEMV_MAX_M, launched on a stream of its own."""
@@ -640,7 +640,7 @@ BF16_VERSIONS = {
 
 
 @pytest.mark.parametrize("version", [*VERSIONS, *BF16_VERSIONS])
-@settings(max_examples=pick(3, 5))
+@settings(max_examples=examples(3, 5))
 @given(seeds, st.integers(2, pick(9, 20)), weight_shapes(16, 20), st.data())
 def test_nan_row_and_column_stay_confined(version, seed, m, nk, data):
     """A NaN in one row of x poisons that output row only; a NaN in one W row, that output column only."""
@@ -737,7 +737,7 @@ def test_gemm_tc_shared_memory_of_one_plane():
 # the pipelined GEMM (cuda_kernels/gemm_pipelined.py) and its staging primitives (cuda_kernels/async_copy.py)
 # ---------------------------------------------------------------------------------------------------------
 
-@settings(max_examples=pick(4, 20))
+@settings(max_examples=examples(4, 20))
 @given(seeds, st.integers(1, pick(16, 128)), st.data())
 def test_cp_async_copies_or_zero_fills_chunks(seed, pairs, data):
     """Every chunk lands where it was sent (read back by the neighbouring thread after the wait and a
@@ -752,7 +752,7 @@ def test_cp_async_copies_or_zero_fills_chunks(seed, pairs, data):
     np.testing.assert_array_equal(dst.copy_to_host(), want)
 
 
-@settings(max_examples=pick(4, 20))
+@settings(max_examples=examples(4, 20))
 @given(seeds)
 def test_ldmatrix_x4_gives_each_lane_its_fragment(seed):
     """Lane (g, t) gets, for matrix q, the bf16 pair at elements 2t, 2t + 1 of the row lane 8 q + g named
@@ -768,7 +768,7 @@ def test_ldmatrix_x4_gives_each_lane_its_fragment(seed):
     np.testing.assert_array_equal(out.copy_to_host(), want)
 
 
-@settings(max_examples=pick(4, 15))
+@settings(max_examples=examples(4, 15))
 @given(seeds, st.integers(1, pick(12, 1100)), st.integers(1, pick(40, 3000)), x_scales, st.booleans())
 def test_bf16_planes_match_the_reference_bit_for_bit(seed, m, k, x_scale, bf16_inputs):
     """x -> its bf16 planes, exactly reference.matmul.bf16_planes, infinities and zeros included; the
@@ -799,7 +799,7 @@ def run_pipelined(x, w, tile=None, bf16_inputs=False, stream=0):
 
 
 @pytest.mark.parametrize("tile", PIPELINED_TILES, ids=lambda t: "x".join(map(str, t)))
-@settings(max_examples=pick(3, 8))
+@settings(max_examples=examples(3, 8))
 @given(seeds, sizes(40, [64, 256, 1024], 1100), weight_shapes(40, 72), x_scales, w_scales, st.booleans())
 def test_gemm_pipelined(tile, seed, m, nk, x_scale, w_scale, bf16_inputs):
     """Each tile, both precisions: partial block tiles along M and N, K (a multiple of 8) short of a slab,
@@ -812,7 +812,7 @@ def test_gemm_pipelined(tile, seed, m, nk, x_scale, w_scale, bf16_inputs):
 
 
 @pytest.mark.parametrize("tile", PIPELINED_TILES, ids=lambda t: "x".join(map(str, t)))
-@settings(max_examples=pick(3, 6))
+@settings(max_examples=examples(3, 6))
 @given(seeds, sizes(40, [64, 256, 1024], 1100), gated_shapes, x_scales, st.booleans())
 def test_gemm_pipelined_gated(tile, seed, m, fk, x_scale, bf16_inputs):
     """The SiLU*mul epilogue: features not a multiple of a block's BN / 2 (nor of a warp's WN / 2), so the
@@ -829,7 +829,7 @@ def test_gemm_pipelined_gated(tile, seed, m, fk, x_scale, bf16_inputs):
 
 
 @pytest.mark.parametrize("tile", PIPELINED_TILES, ids=lambda t: "x".join(map(str, t)))
-@settings(max_examples=pick(3, 6))
+@settings(max_examples=examples(3, 6))
 @given(seeds, sizes(40, [64, 256, 1024], 1100), gated_shapes, st.integers(1, pick(40, 3000)), st.booleans())
 def test_gemm_pipelined_planes_out_feed_the_next_gemm(tile, seed, m, fk, n, bf16_inputs):
     """The gated GEMM writing its result as bf16 planes (what matmul.mlp does): the planes are exactly
@@ -855,7 +855,7 @@ def test_gemm_pipelined_planes_out_feed_the_next_gemm(tile, seed, m, fk, n, bf16
     check(out, act, w2, bf16_inputs)
 
 
-@settings(max_examples=pick(4, 8))
+@settings(max_examples=examples(4, 8))
 @given(seeds, st.sampled_from(pick([1, 3, 20], [1, 5, 64, 200, 1024])), st.booleans())
 def test_mlp_dispatch(seed, m, bf16_inputs):
     """matmul.mlp, the engine's MLP, against reference.mlp: on the GPU, from 128 rows, act only as bf16

@@ -10,7 +10,7 @@ get a test of their own that walks the corners the kernel tests hit only by chan
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_support import device_empty, pick, to_device
+from kernel_support import device_empty, examples, pick, to_device
 from numba import cuda
 
 from cuda_kernels.primitives import f32_to_bf16, round_bf16, round_bf16_pair
@@ -60,7 +60,7 @@ def test_corners_match_the_reference_bit_for_bit():
     check_patterns(CORNERS)
 
 
-@settings(max_examples=pick(10, 40))
+@settings(max_examples=examples(10, 40))
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=pick(32, 4096)))
 def test_any_pattern_matches_the_reference_bit_for_bit(patterns):
     check_patterns(np.array(patterns, np.uint64).astype(np.uint32))

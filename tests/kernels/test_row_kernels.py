@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_support import F32_EPS, LLAMA3, assert_close, device_empty, pick, random_bf16, sizes, to_device
+from kernel_support import F32_EPS, LLAMA3, assert_close, device_empty, examples, pick, random_bf16, sizes, to_device
 
 from cuda_kernels import activation, embedding, rmsnorm, rope
 from reference import activation as ref_activation
@@ -98,7 +98,7 @@ head_shapes = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (4, 1, 16), (2, 2, 8)]
                                    [(32, 8, 64), (9, 3, 64), (24, 8, 128), (4, 4, 64)]))
 
 
-@settings(max_examples=pick(12, 40))
+@settings(max_examples=examples(12, 40))
 @given(seeds, tokens, head_shapes, st.sampled_from([4, 16, 32]), st.booleans())
 def test_rope_kv_write(seed, t, heads, block_size, scaled):
     hq, hkv, d = heads

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_support import F32_EPS, SIM, device_empty, pick, sizes, to_device
+from kernel_support import F32_EPS, SIM, device_empty, examples, pick, sizes, to_device
 
 from cuda_kernels import sampling as kernels
 from reference import sampling as ref
@@ -236,7 +236,7 @@ split_rows = st.integers(1, 5) if SIM else st.one_of(st.integers(1, 5), rows)
 split_partitions = st.sampled_from([None, 1, 2, 3, 5, 8] + pick([], [63, 100, 1000]))
 
 
-@settings(max_examples=pick(25, 40))
+@settings(max_examples=examples(25, 40))
 @given(seeds, split_rows, split_vocabs, st.sampled_from(pick([32, 64], [128, 256, 512, 1024])), split_partitions)
 def test_split_argmax_matches_reference(seed, num_seqs, vocab, threads, partitions):
     rng = np.random.default_rng(seed)
@@ -378,7 +378,7 @@ def sampling_batches(draw, num_rows=rows, vocab_sizes=vocabs, threads=block_size
             column("min_p", np.float32), column("u", np.float32), threads)
 
 
-@settings(max_examples=pick(25, 20))
+@settings(max_examples=examples(25, 20))
 @given(sampling_batches())
 def test_sample_matches_reference(batch):
     *args, threads = batch
@@ -615,7 +615,7 @@ split_sample_vocabs = st.sampled_from([1, 2, 33, 100]) | st.integers(1, 120) if 
 split_sample_partitions = st.sampled_from([None, 1, 2, 3] + pick([], [16, 62, 200, 400]))
 
 
-@settings(max_examples=pick(3, 25))
+@settings(max_examples=examples(3, 25))
 @given(sampling_batches(split_sample_rows, split_sample_vocabs, st.sampled_from(pick([32], [128, 256, 1024]))),
        split_sample_partitions)
 def test_split_sample_matches_reference_and_v1(batch, partitions):
