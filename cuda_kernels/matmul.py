@@ -44,12 +44,13 @@ Thread mappings:
   bx * R + r (paired: R / 2 pairs, as above) and activation rows by * m_tile + mm. Before the PDL wait the
   block copies its R rows whole into a shared tile with cp.async (16-byte copies, thread t taking copies
   t, t + threads, ...; K % 8 == 0, R * K * 2 bytes within the 48 KB of static shared memory); after it,
-  thread t loads x for the uint64 words t, t + threads, ... of a row, then multiplies them with the same
-  words of each of the R tile rows (consecutive threads, consecutive words: conflict-free). Each thread's
-  R x m_tile partial sums go through warp_sum, meet in shared memory and are added in warp order; the same
-  epilogues as above (plain, gated, rope). Weights in flight wait in shared memory rather than registers,
-  so a block holds few registers (40-55 at m = 1 against 80-128 for the picks above, offline ptxas) and
-  the next kernel's blocks can be resident, and loading, while this one finishes.
+  thread t loads x (two fp32 per 64-bit load) for the uint64 words t, t + threads, ... of a row, then
+  multiplies them with the same words of each of the R tile rows (consecutive threads, consecutive words:
+  conflict-free). Each thread's R x m_tile partial sums go through warp_sum, meet in shared memory and are
+  added in warp order; the same epilogues as above (plain, gated, rope). Weights in flight wait in shared
+  memory rather than registers, so a block holds few registers (40-56 at m = 1 against 80-128 for
+  the picks above, offline ptxas) and the next kernel's blocks can be resident, and loading, while this
+  one finishes.
 - ``gemm`` (prefill, large M): grid = (ceil(N / BN), ceil(M / BM)), block = (BM / TM) * (BN / TN)
   threads; a block computes a BM x BN tile of out, staging BK-wide slabs of x and of W (widened to fp32)
   through shared memory; thread (tx, ty) owns the TM x TN outputs (ty + i * BM/TM, tx + j * BN/TN).
@@ -129,7 +130,8 @@ from numba import cuda, float32, int64, uint32, uint64
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import STATIC_SHARED_LIMIT, launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
-from cuda_kernels.primitives import WARP, bf16_to_f32, f32_to_bf16, round_bf16, round_bf16_pair, warp_sum
+from cuda_kernels.primitives import (WARP, bf16_to_f32, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair,
+                                     warp_sum)
 
 # Largest M that the engine's matmul sends to gemv (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or
 # more); above it gemm_tc. NOTE: measured on the H200, cold weights: at M = 8 gemv beat gemm_tc's skinny
@@ -244,6 +246,13 @@ def _high_pair(word):
     """Elements 2 and 3 of a uint64 word of four bf16, as fp32."""
     hi = uint32(uint64(word) >> uint64(32))
     return bf16_to_f32(hi & uint32(0xFFFF)), bf16_to_f32(hi >> uint32(16))
+
+
+@cuda.jit(device=True)
+def _f32_pair(word):
+    """The two fp32 of a uint64 word (elements 0 and 1: little-endian)."""
+    return (f32_from_bits(uint32(uint64(word) & uint64(0xFFFFFFFF))),
+            f32_from_bits(uint32(uint64(word) >> uint64(32))))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -543,10 +552,10 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
     wait_copies = cp_async_wait(0)
 
     @cuda.jit(device=True, inline=True)
-    def staged_body(x, w64, dst):
-        """x (M, k) f32; w64 (N * k/4,) u64, the weight flat (4 bf16 per word); dst: the arrays `store`
-        writes."""
-        M = x.shape[0]
+    def staged_body(x64, w64, dst):
+        """x64 (M, k/2) u64, x's fp32 two per word; w64 (N * k/4,) u64, the weight flat (4 bf16 per word);
+        dst: the arrays `store` writes."""
+        M = x64.shape[0]
         N = w64.shape[0] // KW
         NCOLS = N // 2 if PAIRED else N
         t = cuda.threadIdx.x
@@ -566,14 +575,17 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
         cp_async_commit()
         pdl.grid_wait()
 
-        # x for this thread's words t, t + THREADS, .. of a row (4 each), for the block's MT activation rows:
-        # loaded while the tile may still be landing
+        # x for this thread's words t, t + THREADS, .. of a row (4 each, as two 64-bit loads), for the block's
+        # MT activation rows: loaded while the tile may still be landing.
+        # NOTE: 64-bit x loads were never slower than 32-bit ones in the register gemv's lab ladder and up to
+        # 0.28 us faster on the 1B weights (BENCHMARKS.md, 2026-12-04 fifth run)
         xr = cuda.local.array(XN, float32)
         for mm in range(MT):
             mi = min(m0 + mm, M - 1)
             for i in range(WPT):
-                kk = 4 * min(t + i * THREADS, KW - 1)    # clamped; a word past the row is skipped below
-                x0, x1, x2, x3 = x[mi, kk], x[mi, kk + 1], x[mi, kk + 2], x[mi, kk + 3]
+                h = 2 * min(t + i * THREADS, KW - 1)     # clamped; a word past the row is skipped below
+                x0, x1 = _f32_pair(x64[mi, h])
+                x2, x3 = _f32_pair(x64[mi, h + 1])
                 if bf16_inputs:
                     x0, x1 = round_bf16_pair(x0, x1)
                     x2, x3 = round_bf16_pair(x2, x3)
@@ -624,14 +636,14 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
                 store(dst, m0 + mm, j, a, b)
 
     @cuda.jit
-    def gemv_staged_kernel(x, w64, out):
+    def gemv_staged_kernel(x64, w64, out):
         # out (M, N) f32, or gated (M, N/2)
-        staged_body(x, w64, (out,))
+        staged_body(x64, w64, (out,))
 
     @cuda.jit
-    def gemv_staged_rope_kernel(x, w64, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping):
-        # the arguments of gemv_rope_kernel (no w16, no kv)
-        staged_body(x, w64, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
+    def gemv_staged_rope_kernel(x64, w64, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping):
+        # the arguments of gemv_rope_kernel (x as x64, no w16, no kv)
+        staged_body(x64, w64, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
 
     kernel = gemv_staged_rope_kernel if pairing == "rope" else gemv_staged_kernel
     kernel.rows_per_block = R
@@ -1113,9 +1125,10 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     NOTE: the picks above hold 80-128 registers per thread (offline ptxas): QKV's 384 blocks of 128 threads x
     128 registers take about 3 of the 4 blocks an SM's register file holds, so little of the next kernel
     can be resident, and loading, before they exit (an inference from the register counts, not measured;
-    it would also explain why the read probe, with fewer registers, overlaps more). The staged gemv (GemvStaged) holds its weights in shared memory instead (40-55
-    registers); it was written in a session without a GPU and is not picked until it is timed
-    (tools/kernel_benchmarks/matmul.py --gemv, tools/profile_step.py --gemv N,K=staged,R,W).
+    it would also explain why the read probe, with fewer registers, overlaps more). The staged gemv
+    (GemvStaged) holds its weights in shared memory instead (40-56 registers at m = 1); it was written in a
+    session without a GPU and is not picked until it is timed (tools/kernel_benchmarks/matmul.py --gemv,
+    tools/profile_step.py --gemv N,K=staged,R,W).
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:
@@ -1145,10 +1158,10 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     else ValueError; gated: rows_per_block even).
     """
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
-    setup = _gemv_setup(weight, M, N, K, config, bf16_inputs, "gated" if gated else "")
+    setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "gated" if gated else "")
     if setup:
-        kernel, grid, block, weight_args = setup
-        launch(kernel, grid, block, stream, x, *weight_args, out, dependent=True)
+        kernel, grid, block, inputs = setup
+        launch(kernel, grid, block, stream, *inputs, out, dependent=True)
 
 
 def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0,
@@ -1165,10 +1178,10 @@ def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_
         raise ValueError(f"gemv_rope: x {tuple(x.shape)} and weight {tuple(weight.shape)} give a ({M}, {N}) "
                          f"product; q_out and the caches need ({t}, {(hq + 2 * hkv) * d}) for Hq={hq}, "
                          f"Hkv={hkv}, d={d}")
-    setup = _gemv_setup(weight, M, N, K, config, bf16_inputs, "rope", d)
+    setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "rope", d)
     if setup:
-        kernel, grid, block, weight_args = setup
-        launch(kernel, grid, block, stream, x, *weight_args, q_out, positions, cos, sin, k_cache, v_cache,
+        kernel, grid, block, inputs = setup
+        launch(kernel, grid, block, stream, *inputs, q_out, positions, cos, sin, k_cache, v_cache,
                slot_mapping, dependent=True)
 
 
@@ -1183,14 +1196,14 @@ def gemv_staged_shared_bytes(config: GemvStaged, m: int, k: int) -> int:
     return rows * k * 2 + warps * _m_tile(m) * rows * 4
 
 
-def _gemv_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
-    """(the gemv kernel, its grid and block, the weight arguments it takes after x) for x (M, K) @ weight^T,
-    or None when there is nothing to compute; checks config."""
+def _gemv_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
+    """(the gemv kernel, its grid and block, its arguments for x and the weight) for x (M, K) @ weight^T, or
+    None when there is nothing to compute; checks config."""
     if M == 0 or N == 0:
         return None
     config = config or gemv_config(M, N, K)
     if isinstance(config, GemvStaged):
-        return _gemv_staged_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim)
+        return _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim)
     config = GemvConfig(*config)
     if config.warps_per_block % config.k_split or not 1 <= config.warps_per_block <= 32 or config.unroll < 1:
         raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32, a multiple of k_split, "
@@ -1207,18 +1220,19 @@ def _gemv_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
     m_tile = _m_tile(M)
     kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim)
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    return kernel, grid, WARP * config.warps_per_block, (w64, w16, kv)
+    return kernel, grid, WARP * config.warps_per_block, (x, w64, w16, kv)
 
 
-def _gemv_staged_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim):
+def _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim):
     """_gemv_setup for a GemvStaged config."""
     rows, warps = config
     if not 1 <= warps <= 32 or rows < 1 or (pairing and rows % 2):
         raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32 and rows_per_block >= 1 "
                          f"(even for a {pairing or 'paired'} gemv: a block pairs rows)")
-    if K % 8 or not weight.is_c_contiguous():
-        raise ValueError(f"gemv config {config}: the staged gemv copies rows in 16-byte pieces, so it needs K % 8 "
-                         f"== 0 and a C-contiguous weight; got K = {K}, weight strides {weight.strides}")
+    if K % 8 or not weight.is_c_contiguous() or not x.is_c_contiguous():
+        raise ValueError(f"gemv config {config}: the staged gemv copies rows in 16-byte pieces and reads x in 8-byte "
+                         f"ones, so it needs K % 8 == 0 and C-contiguous x and weight; got K = {K}, x strides "
+                         f"{x.strides}, weight strides {weight.strides}")
     shared = gemv_staged_shared_bytes(config, M, K)
     if shared > STATIC_SHARED_LIMIT:
         raise ValueError(f"gemv config {config}: {rows} rows of K = {K} need {shared} bytes of shared memory "
@@ -1227,7 +1241,7 @@ def _gemv_staged_setup(weight, M, N, K, config, bf16_inputs, pairing, head_dim):
     m_tile = _m_tile(M)
     kernel = _gemv_staged_kernel(m_tile, rows, warps, K, bool(bf16_inputs), pairing, head_dim)
     grid = (-(-N // rows), -(-M // m_tile))
-    return kernel, grid, WARP * warps, (view(weight, shape=(N * K // 4,), dtype=np.uint64),)
+    return kernel, grid, WARP * warps, (view(x, dtype=np.uint64), view(weight, shape=(N * K // 4,), dtype=np.uint64))
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):

@@ -37,6 +37,10 @@ if SIMULATOR:
         return np.float32(x).view(np.uint32)
 
     @cuda.jit(device=True)
+    def f32_from_bits(bits):
+        return np.uint32(bits).view(np.float32)
+
+    @cuda.jit(device=True)
     def _linear_tid():
         return cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
 
@@ -81,6 +85,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def f32_bits(x):
         return uint32(libdevice.float_as_int(x))
+
+    @cuda.jit(device=True, inline=True)
+    def f32_from_bits(bits):
+        return libdevice.int_as_float(int32(uint32(bits)))
 
     @cuda.jit(device=True, inline=True)
     def warp_sum(value):

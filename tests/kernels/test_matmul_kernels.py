@@ -409,6 +409,9 @@ def test_gemv_staged_checks():
     x = device_empty((1, 8192), np.float32)
     with pytest.raises(ValueError, match="3 rows of K = 8192 need 49164 bytes of shared memory"):
         mm.gemv(x, device_empty((4, 8192), np.uint16), out, config=mm.GemvStaged(3, 1))
+    with pytest.raises(ValueError, match="C-contiguous x and weight"):
+        mm.gemv(device_empty((2, 16), np.float32)[:, :8], device_empty((4, 8), np.uint16),
+                device_empty((2, 4), np.float32), config=mm.GemvStaged(2, 1))
     with pytest.raises(ValueError, match="even for a gated gemv"):
         mm.gemv(device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 2), np.float32),
                 config=mm.GemvStaged(3, 1), gated=True)

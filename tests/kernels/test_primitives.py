@@ -1,7 +1,8 @@
 """cuda_kernels/primitives.py's bf16 narrowing on its own: f32_to_bf16, round_bf16 and round_bf16_pair against
 reference/bf16.py, bit for bit (round_bf16_pair: NaN only as NaN, its payload is the hardware's), on the corner
 bit patterns (NaNs of either sign and any payload, infinities, subnormals, the largest finites that round up
-to infinity, exact ties) as well as random ones.
+to infinity, exact ties) as well as random ones; and the fp32 bit casts f32_bits and f32_from_bits, which
+must move every pattern unchanged.
 
 Every kernel that writes the KV cache or takes bf16 matmul inputs goes through these three helpers, so they
 get a test of their own that walks the corners the kernel tests hit only by chance.
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from kernel_support import device_empty, examples, pick, to_device
 from numba import cuda
 
-from cuda_kernels.primitives import f32_to_bf16, round_bf16, round_bf16_pair
+from cuda_kernels.primitives import f32_bits, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair
 from reference.bf16 import f32_to_bf16 as reference_f32_to_bf16
 from reference.bf16 import round_to_bf16
 
@@ -64,3 +65,23 @@ def test_corners_match_the_reference_bit_for_bit():
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=pick(32, 4096)))
 def test_any_pattern_matches_the_reference_bit_for_bit(patterns):
     check_patterns(np.array(patterns, np.uint64).astype(np.uint32))
+
+
+@cuda.jit
+def cast_kernel(bits, floats, back):
+    """Thread i: floats[i] = the fp32 of bits[i]; back[i] = the bits of that fp32."""
+    i = cuda.grid(1)
+    if i < bits.shape[0]:
+        f = f32_from_bits(bits[i])
+        floats[i] = f
+        back[i] = f32_bits(f)
+
+
+@settings(max_examples=examples(5, 20))
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=pick(32, 4096)))
+def test_bit_casts_keep_every_pattern(patterns):
+    bits = np.concatenate([CORNERS, np.array(patterns, np.uint64).astype(np.uint32)])
+    floats, back = device_empty(bits.shape, np.float32), device_empty(bits.shape, np.uint32)
+    cast_kernel[-(-bits.size // 32), 32](to_device(bits), floats, back)
+    np.testing.assert_array_equal(floats.copy_to_host().view(np.uint32), bits)
+    np.testing.assert_array_equal(back.copy_to_host(), bits)
