@@ -47,7 +47,9 @@ Thread mappings:
   thread t loads x (two fp32 per 64-bit load) for the uint64 words t, t + threads, ... of a row, then
   multiplies them with the same words of each of the R tile rows (consecutive threads, consecutive words:
   conflict-free). Each thread's R x m_tile partial sums go through warp_sum, meet in shared memory and are
-  added in warp order; the same epilogues as above (plain, gated, rope). Weights in flight wait in shared
+  added in warp order; the same epilogues as above (plain, gated, rope), thread t < m_tile * outputs
+  writing one, with what its store reads besides the sums (rope: position, cos, sin, slot) loaded before
+  the PDL wait, so that no dependent load follows the reduction. Weights in flight wait in shared
   memory rather than registers, so a block holds few registers (40-56 at m = 1 against 80-128 for
   the picks above, offline ptxas) and the next kernel's blocks can be resident, and loading, while this
   one finishes.
@@ -282,12 +284,15 @@ def _matmul_naive_kernel(bf16_inputs: bool):
 
 @functools.lru_cache(maxsize=None)
 def _gemv_rows(rows: int, pairing: str, head_dim: int):
-    """(weight_row, store): the device functions by which a gemv kernel maps a group of `rows` weight rows to
-    the weight and writes their results, for a pairing (see _gemv_kernel).
+    """(weight_row, store_inputs, store): the device functions by which a gemv kernel maps a group of `rows`
+    weight rows to the weight and writes their results, for a pairing (see _gemv_kernel).
 
     weight_row(n0, r, N): the weight row of row r of the group starting at n0 (a multiple of rows), clamped
-    to a valid one (the caller skips the store for it). store(dst, m, j, a, b): write output j of activation
-    row m from its row total a (paired: the totals a and b of pair j); dst holds the arrays written."""
+    to a valid one (the caller skips the store for it). store(dst, m, j, a, b, pre): write output j of
+    activation row m from its row total a (paired: the totals a and b of pair j); dst holds the arrays
+    written, pre = store_inputs(dst, m, j) what else the store reads (rope: cos, sin and the slot). Those
+    are step inputs and constants, never written by a kernel of the step, so a kernel may read them before
+    its PDL wait (cuda_kernels/pdl.py, rule 2) and keep the dependent loads out of its tail."""
     R = rows
     RH = R // 2                             # paired: pairs per group
     GATED, ROPE = pairing == "gated", pairing == "rope"
@@ -306,31 +311,39 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int):
             return pair + (r // RH) * (N // 2)
         return (pair // HALF) * (2 * HALF) + pair % HALF + (r // RH) * HALF
 
-    # One store per epilogue, picked below.
+    # One store (and its inputs) per epilogue, picked below.
     @cuda.jit(device=True, inline=True)
-    def store_row(dst, m, j, a, b):
+    def no_inputs(dst, m, j):
+        return 0
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(dst, m, j, a, b, pre):
         dst[0][m, j] = a
 
     @cuda.jit(device=True, inline=True)
-    def store_gated(dst, m, j, a, b):
+    def store_gated(dst, m, j, a, b, pre):
         dst[0][m, j] = activation.silu(a) * b
 
     @cuda.jit(device=True, inline=True)
-    def store_rope(dst, m, j, a, b):
+    def rope_inputs(dst, m, j):
+        """(cos, sin) of pair j at row m's position, and row m's cache slot."""
         q_out, positions, cos, sin, k_cache, v_cache, slot_mapping = dst
+        pos, i = positions[m], j % HALF
+        return cos[pos, i], sin[pos, i], slot_mapping[m]
+
+    @cuda.jit(device=True, inline=True)
+    def store_rope(dst, m, j, a, b, pre):
+        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping = dst
+        c, s, slot = pre
         head, i = j // HALF, j % HALF
         num_heads, num_kv_heads = q_out.shape[1], k_cache.shape[2]
         if head < num_heads + num_kv_heads:
             # rope_kv_write's rotation, the same expressions
-            pos = positions[m]
-            c = cos[pos, i]
-            s = sin[pos, i]
             a, b = a * c - b * s, b * c + a * s
         if head < num_heads:
             q_out[m, head, i] = a
             q_out[m, head, i + HALF] = b
-        elif slot_mapping[m] >= 0:
-            slot = slot_mapping[m]
+        elif slot >= 0:
             block, offset = slot // k_cache.shape[1], slot % k_cache.shape[1]
             if head < num_heads + num_kv_heads:
                 k_cache[block, offset, head - num_heads, i] = f32_to_bf16(a)
@@ -339,7 +352,9 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int):
                 v_cache[block, offset, head - num_heads - num_kv_heads, i] = f32_to_bf16(a)
                 v_cache[block, offset, head - num_heads - num_kv_heads, i + HALF] = f32_to_bf16(b)
 
-    return weight_row, store_rope if ROPE else store_gated if GATED else store_row
+    if ROPE:
+        return weight_row, rope_inputs, store_rope
+    return weight_row, no_inputs, store_gated if GATED else store_row
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,7 +387,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
-    weight_row, store = _gemv_rows(R, pairing, head_dim)
+    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim)
 
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
     def load_words(w64, wv, n0, N, j0):
@@ -487,7 +502,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                     b = warp_sum(acc[mm * R + RH + o]) if PAIRED else a
                     j = (n0 // 2 if PAIRED else n0) + o
                     if lane == 0 and m0 + mm < M and j < NCOLS:
-                        store(dst, m0 + mm, j, a, b)
+                        store(dst, m0 + mm, j, a, b, store_inputs(dst, m0 + mm, j))
         else:
             # the S warps of a row group add their warp sums in part order (deterministic) through shared memory
             red = cuda.shared.array(RED_SHAPE, float32)
@@ -509,7 +524,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
                         b += red[group, mm * R + RH + o, p]
                 j = (cuda.blockIdx.x * ROW_WARPS + group) * (RH if PAIRED else R) + o
                 if m0 + mm < M and j < NCOLS:
-                    store(dst, m0 + mm, j, a, b)
+                    store(dst, m0 + mm, j, a, b, store_inputs(dst, m0 + mm, j))
 
     @cuda.jit
     def gemv_kernel(x, w64, w16, kv, out):
@@ -548,7 +563,7 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
     TILE = R * KW
     XN = MT * 4 * WPT
     RED_SHAPE = (warps_per_block, NACC)
-    weight_row, store = _gemv_rows(R, pairing, head_dim)
+    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim)
     wait_copies = cp_async_wait(0)
 
     @cuda.jit(device=True, inline=True)
@@ -573,6 +588,11 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
             r, j = c // COPIES, 2 * (c % COPIES)
             cp_async_16(tile, r * KW + j, w64, weight_row(n0, r, N) * KW + j, True)
         cp_async_commit()
+        # thread t < MT * OUTS stores output o of activation row mm (below); what that store reads besides the
+        # totals is read now, before the wait, off the path that follows it (indices clamped for the others)
+        mm_out, o_out = t // OUTS, t % OUTS
+        j_out = (n0 // 2 if PAIRED else n0) + o_out
+        pre = store_inputs(dst, min(m0 + mm_out, M - 1), min(j_out, NCOLS - 1))
         pdl.grid_wait()
 
         # x for this thread's words t, t + THREADS, .. of a row (4 each, as two 64-bit loads), for the block's
@@ -624,16 +644,14 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
                 red[warp, i] = total
         cuda.syncthreads()
         if t < MT * OUTS:
-            mm, o = t // OUTS, t % OUTS
-            a = red[0, mm * R + o]
-            b = red[0, mm * R + RH + o] if PAIRED else a
+            a = red[0, mm_out * R + o_out]
+            b = red[0, mm_out * R + RH + o_out] if PAIRED else a
             for p in range(1, warps_per_block):
-                a += red[p, mm * R + o]
+                a += red[p, mm_out * R + o_out]
                 if PAIRED:
-                    b += red[p, mm * R + RH + o]
-            j = (n0 // 2 if PAIRED else n0) + o
-            if m0 + mm < M and j < NCOLS:
-                store(dst, m0 + mm, j, a, b)
+                    b += red[p, mm_out * R + RH + o_out]
+            if m0 + mm_out < M and j_out < NCOLS:
+                store(dst, m0 + mm_out, j_out, a, b, pre)
 
     @cuda.jit
     def gemv_staged_kernel(x64, w64, out):

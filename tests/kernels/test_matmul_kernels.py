@@ -381,6 +381,7 @@ def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs):
 @settings(max_examples=examples(2, 4))
 @given(seeds, st.sampled_from([1, 3, 8]), st.sampled_from(pick([(5, 16), (3, 264)], [(8192, 2048), (1000, 512)])),
        st.booleans())
+@example(seed=0, m=3, fk=pick((3, 264), (8192, 2048)), bf16_inputs=False)  # always: several rows, every warp busy
 def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
     f, k = fk
     x, w = make_inputs(seed, m, 2 * f, staged_k(config, k, m))
@@ -393,6 +394,7 @@ def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
 @settings(max_examples=examples(2, 4))
 @given(seeds, st.sampled_from([1, 2, 8]), rope_heads, st.sampled_from(pick([8, 136], [2048, 1024])),
        st.sampled_from([4, 16]), st.booleans())
+@example(seed=0, m=8, heads=pick((2, 1, 8), (32, 8, 64)), k=pick(136, 2048), block_size=4, bf16_inputs=False)
 def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, staged_k(config, k, m), block_size)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
