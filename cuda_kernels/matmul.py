@@ -663,9 +663,7 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
         # the arguments of gemv_rope_kernel (x as x64, no w16, no kv)
         staged_body(x64, w64, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
 
-    kernel = gemv_staged_rope_kernel if pairing == "rope" else gemv_staged_kernel
-    kernel.rows_per_block = R
-    return kernel
+    return gemv_staged_rope_kernel if pairing == "rope" else gemv_staged_kernel
 
 
 @functools.lru_cache(maxsize=None)
