@@ -366,15 +366,18 @@ staged_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 40).map(lambda c: 8
 
 @pytest.mark.parametrize("config", STAGED_CONFIGS)
 @settings(max_examples=examples(3, 6))
-@given(seeds, st.sampled_from([1, 2, 3, 8, 9]), staged_shapes, x_scales, w_scales, st.booleans())
-@example(seed=0, m=2, nk=(5, 320), x_scale=1.0, w_scale=1.0, bf16_inputs=False)  # always: every warp has words
-def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs):
-    """Plain rows: N not a multiple of the block's rows, M over several chunks of 8, both input precisions."""
+@given(seeds, st.sampled_from([1, 2, 3, 8, 9]), staged_shapes, x_scales, w_scales, st.booleans(), st.booleans())
+@example(seed=0, m=2, nk=(5, 320), x_scale=1.0, w_scale=1.0, bf16_inputs=False, u64_view=True)  # every warp has words
+def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs, u64_view):
+    """Plain rows: N not a multiple of the block's rows, M over several chunks of 8, both input precisions,
+    W as uint16 or as the caller's uint64 view."""
     n, k = nk
     k = staged_k(config, k, m)
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemv, x, w, config=config, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    out, w_dev = stale_out(m, n), to_device(w)
+    mm.gemv(to_device(x), w_dev.view(np.uint64) if u64_view else w_dev, out, config=config, bf16_inputs=bf16_inputs)
+    check(out, x, w, bf16_inputs)
 
 
 @pytest.mark.parametrize("config", STAGED_PAIRED_CONFIGS)
