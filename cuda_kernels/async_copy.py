@@ -6,9 +6,9 @@ arrays' common dtype (8 bf16, or 2 uint64 words); with valid False it writes 16 
 nothing. The copy is asynchronous: a thread groups the copies it has issued with ``cp_async_commit()``, and
 ``cp_async_wait(n)`` (a device function per n) returns once at most n of its groups are still in flight.
 Only the thread's own copies are waited for, so a block barrier must follow before other threads read what
-landed. Both addresses must be 16-byte aligned: indices multiples of e, and a static shared array declared
-with ``alignment=SHARED_ALIGN`` (dynamic shared memory is aligned already). src is indexed flat: pass a
-1-D array.
+landed. Both addresses must be 16-byte aligned: indices multiples of e, in dynamic shared memory (aligned
+for this) or a static array declared with alignment=16 (a keyword the simulator refuses). src is indexed
+flat: pass a 1-D array.
 
 ``ldmatrix_x4(sh, i)``: the 32 lanes of a warp load four 8 x 8 matrices of bf16 from shared memory in one
 instruction. Lanes 8 q .. 8 q + 7 each give the index of one row of matrix q (8 consecutive bf16, 16
@@ -40,9 +40,6 @@ from cuda_kernels.primitives import WARP
 
 CHUNK = 8   # bf16 per cp.async (16 bytes) and per ldmatrix row
 COPY_BYTES = 16
-# The alignment a static shared array that cp.async writes must ask for; None in the simulator, which refuses
-# the keyword (and copies element by element there anyway).
-SHARED_ALIGN = None if SIMULATOR else COPY_BYTES
 
 if SIMULATOR:
     _MAX_WARPS = 32   # 1024 threads

@@ -49,6 +49,7 @@ from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
 STATIC_SHARED_LIMIT = 48 * 1024   # dynamic shared memory a kernel gets without opting in
+OPT_IN_SHARED_LIMIT = 227 * 1024  # what one block may opt in to on the H200 (launch(..., shared=) does it)
 SLOT = 8                          # bytes per parameter slot: every parameter here is at most 8 bytes
 PDL_MIN_CC = (9, 0)
 

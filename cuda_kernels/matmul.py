@@ -43,7 +43,8 @@ Thread mappings:
   ceil(M / m_tile)), block = 32 * warps threads, R = rows_per_block; block (bx, by) owns weight rows
   bx * R + r (paired: R / 2 pairs, as above) and activation rows by * m_tile + mm. Before the PDL wait the
   block copies its R rows whole into a shared tile with cp.async (16-byte copies, thread t taking copies
-  t, t + threads, ...; K % 8 == 0, R * K * 2 bytes within the 48 KB of static shared memory); after it,
+  t, t + threads, ...; K % 8 == 0; the tile, R * K * 2 bytes, is dynamic shared memory, up to what a block
+  may opt in to); after it,
   thread t loads x (two fp32 per 64-bit load) for the uint64 words t, t + threads, ... of a row, then
   multiplies them with the same words of each of the R tile rows (consecutive threads, consecutive words:
   conflict-free). Each thread's R x m_tile partial sums go through warp_sum, meet in shared memory and are
@@ -126,11 +127,11 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels import activation, gemm_pipelined, pdl, rope
-from cuda_kernels.async_copy import SHARED_ALIGN, cp_async_16, cp_async_commit, cp_async_wait
+from cuda_kernels.async_copy import cp_async_16, cp_async_commit, cp_async_wait
 from numba import cuda, float32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
-from cuda_kernels.launch import STATIC_SHARED_LIMIT, launch, view
+from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
 from cuda_kernels.primitives import (WARP, bf16_to_f32, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair,
                                      warp_sum)
@@ -160,8 +161,8 @@ class GemvConfig(NamedTuple):
 
 class GemvStaged(NamedTuple):
     """The staged gemv (a `config` for gemv and gemv_rope): each block copies rows_per_block whole weight rows
-    into shared memory before the PDL wait (K % 8 == 0 and rows_per_block * K * 2 bytes within the 48 KB of
-    static shared memory)."""
+    into shared memory before the PDL wait (K % 8 == 0; gemv_staged_shared_bytes within a block's opt-in
+    shared memory, launch.OPT_IN_SHARED_LIMIT)."""
     rows_per_block: int = 8
     warps_per_block: int = 4
 
@@ -545,9 +546,9 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
 @functools.lru_cache(maxsize=None)
 def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, k: int, bf16_inputs: bool,
                         pairing: str = "", head_dim: int = 0):
-    """The staged gemv kernel (GemvStaged) for m_tile activation rows per block and K = k (a multiple of 8,
-    compiled in: the shared tile's size): a block copies its rows_per_block weight rows whole into shared
-    memory with cp.async before the PDL wait, then multiplies them by x; pairing as in _gemv_kernel."""
+    """The staged gemv kernel (GemvStaged) for m_tile activation rows per block and K = k (a multiple of 8):
+    a block copies its rows_per_block weight rows whole into shared memory (dynamic, rows_per_block * k * 2
+    bytes) with cp.async before the PDL wait, then multiplies them by x; pairing as in _gemv_kernel."""
     MT = m_tile
     R = rows_per_block
     RH = R // 2
@@ -560,7 +561,6 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
     GUARD = KW % THREADS != 0        # some threads' last word is past the row
     NACC = MT * R
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
-    TILE = R * KW
     XN = MT * 4 * WPT
     RED_SHAPE = (warps_per_block, NACC)
     weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim)
@@ -577,7 +577,7 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
         lane, warp = t % WARP, t // WARP
         n0 = cuda.blockIdx.x * R
         m0 = cuda.blockIdx.y * MT
-        tile = cuda.shared.array(TILE, uint64, alignment=SHARED_ALIGN)   # row r: words r*KW ..
+        tile = cuda.shared.array(0, uint64)   # dynamic (16-byte aligned, as cp.async needs); row r: words r*KW ..
         red = cuda.shared.array(RED_SHAPE, float32)
 
         # The whole tile is requested before the wait (weights are never written): under PDL it streams in
@@ -1176,8 +1176,8 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
     setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "gated" if gated else "")
     if setup:
-        kernel, grid, block, inputs = setup
-        launch(kernel, grid, block, stream, *inputs, out, dependent=True)
+        kernel, grid, block, inputs, shared = setup
+        launch(kernel, grid, block, stream, *inputs, out, shared=shared, dependent=True)
 
 
 def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0,
@@ -1196,9 +1196,9 @@ def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_
                          f"Hkv={hkv}, d={d}")
     setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "rope", d)
     if setup:
-        kernel, grid, block, inputs = setup
+        kernel, grid, block, inputs, shared = setup
         launch(kernel, grid, block, stream, *inputs, q_out, positions, cos, sin, k_cache, v_cache,
-               slot_mapping, dependent=True)
+               slot_mapping, shared=shared, dependent=True)
 
 
 def _m_tile(m: int) -> int:
@@ -1207,14 +1207,15 @@ def _m_tile(m: int) -> int:
 
 
 def gemv_staged_shared_bytes(config: GemvStaged, m: int, k: int) -> int:
-    """Static shared memory of the staged gemv at x (m, k): the weight tile and the warps' partial sums."""
+    """Shared memory per block of the staged gemv at x (m, k): the weight tile (dynamic) and the warps'
+    partial sums (static)."""
     rows, warps = config
     return rows * k * 2 + warps * _m_tile(m) * rows * 4
 
 
 def _gemv_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
-    """(the gemv kernel, its grid and block, its arguments for x and the weight) for x (M, K) @ weight^T, or
-    None when there is nothing to compute; checks config."""
+    """(the gemv kernel, its grid and block, its arguments for x and the weight, its dynamic shared memory in
+    bytes) for x (M, K) @ weight^T, or None when there is nothing to compute; checks config."""
     if M == 0 or N == 0:
         return None
     config = config or gemv_config(M, N, K)
@@ -1236,7 +1237,7 @@ def _gemv_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
     m_tile = _m_tile(M)
     kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim)
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
-    return kernel, grid, WARP * config.warps_per_block, (x, w64, w16, kv)
+    return kernel, grid, WARP * config.warps_per_block, (x, w64, w16, kv), 0
 
 
 def _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim):
@@ -1250,14 +1251,14 @@ def _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_di
                          f"ones, so it needs K % 8 == 0 and C-contiguous x and weight; got K = {K}, x strides "
                          f"{x.strides}, weight strides {weight.strides}")
     shared = gemv_staged_shared_bytes(config, M, K)
-    if shared > STATIC_SHARED_LIMIT:
+    if shared > OPT_IN_SHARED_LIMIT:
         raise ValueError(f"gemv config {config}: {rows} rows of K = {K} need {shared} bytes of shared memory "
-                         f"at M = {M}, over the {STATIC_SHARED_LIMIT} a kernel gets without opting in: use fewer "
-                         f"rows per block")
+                         f"at M = {M}, over the {OPT_IN_SHARED_LIMIT} a block may have: use fewer rows per block")
     m_tile = _m_tile(M)
     kernel = _gemv_staged_kernel(m_tile, rows, warps, K, bool(bf16_inputs), pairing, head_dim)
     grid = (-(-N // rows), -(-M // m_tile))
-    return kernel, grid, WARP * warps, (view(x, dtype=np.uint64), view(weight, shape=(N * K // 4,), dtype=np.uint64))
+    inputs = (view(x, dtype=np.uint64), view(weight, shape=(N * K // 4,), dtype=np.uint64))
+    return kernel, grid, WARP * warps, inputs, rows * K * 2
 
 
 def gemm(x, weight, out, stream=0, tile: GemmTile = GEMM_TILE, bf16_inputs: bool = False):

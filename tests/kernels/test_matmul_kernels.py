@@ -20,7 +20,7 @@ from cuda_kernels import async_copy
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
-from cuda_kernels.launch import STATIC_SHARED_LIMIT
+from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, STATIC_SHARED_LIMIT
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
 from reference.matmul import bf16_planes as reference_bf16_planes
@@ -348,13 +348,14 @@ def test_gemv_rope_checks():
 # the configurations worth timing on the 1B shapes on the GPU.
 STAGED_CONFIGS = [mm.GemvStaged(2, 1), mm.GemvStaged(3, 2), mm.GemvStaged(4, 2)]
 if not SIM:
-    STAGED_CONFIGS += [mm.GemvStaged(8, 4), mm.GemvStaged(4, 4), mm.GemvStaged(8, 2), mm.GemvStaged(2, 8)]
+    STAGED_CONFIGS += [mm.GemvStaged(8, 4), mm.GemvStaged(4, 4), mm.GemvStaged(8, 2), mm.GemvStaged(16, 4),
+                       mm.GemvStaged(2, 8), mm.GemvStaged(8, 16)]
 STAGED_PAIRED_CONFIGS = [c for c in STAGED_CONFIGS if c.rows_per_block % 2 == 0]
 
 
 def staged_k(config, k, m):
-    """k cut down to the largest multiple of 8 whose tile fits the static shared memory at m rows of x."""
-    while mm.gemv_staged_shared_bytes(config, m, k) > STATIC_SHARED_LIMIT:
+    """k cut down to the largest multiple of 8 whose tile fits a block's shared memory at m rows of x."""
+    while mm.gemv_staged_shared_bytes(config, m, k) > OPT_IN_SHARED_LIMIT:
         k -= 8
     return k
 
@@ -412,8 +413,8 @@ def test_gemv_staged_checks():
     with pytest.raises(ValueError, match=r"K % 8 == 0 .* got K = 12"):
         mm.gemv(x, device_empty((4, 12), np.uint16), out, config=mm.GemvStaged(2, 1))
     x = device_empty((1, 8192), np.float32)
-    with pytest.raises(ValueError, match="3 rows of K = 8192 need 49164 bytes of shared memory"):
-        mm.gemv(x, device_empty((4, 8192), np.uint16), out, config=mm.GemvStaged(3, 1))
+    with pytest.raises(ValueError, match="15 rows of K = 8192 need 245820 bytes of shared memory"):
+        mm.gemv(x, device_empty((4, 8192), np.uint16), out, config=mm.GemvStaged(15, 1))
     with pytest.raises(ValueError, match="C-contiguous x and weight"):
         mm.gemv(device_empty((2, 16), np.float32)[:, :8], device_empty((4, 8), np.uint16),
                 device_empty((2, 4), np.float32), config=mm.GemvStaged(2, 1))

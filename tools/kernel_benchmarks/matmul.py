@@ -31,7 +31,7 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (the numpy shim before numba.cuda, for `python -m` runs)
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import matmul as mm
-from cuda_kernels.launch import STATIC_SHARED_LIMIT
+from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.matmul import matmul as reference_matmul
@@ -171,8 +171,6 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
     return out
 
 
-MAX_SHARED = 227 * 1024   # the H200's opt-in shared memory per block
-
 
 def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDATES) -> list[Case]:
     """gemm_pipelined (the planes kernel included, as the engine runs it) in every tile of `tiles` that fits,
@@ -199,7 +197,7 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDA
                                  tile=chosen, bf16_inputs=bf16))
                 policy = gp.pipelined_tile(m, n, k, bf16)
                 for tile in (policy, *(t for t in tiles if t != policy)):
-                    if gp.shared_bytes(tile, bf16) > MAX_SHARED:
+                    if gp.shared_bytes(tile, bf16) > OPT_IN_SHARED_LIMIT:
                         continue
 
                     # NOTE: workspace bound now: the cases run after the loop has moved on to other shapes
@@ -221,10 +219,10 @@ GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_S
                                 (8, 4, 4, 4), (8, 2, 4, 4, True), (4, 2, 4, 2, True))]
 # the few of them timed at M > 1 as well (M rows share each weight read there)
 GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4), mm.GemvConfig(4, 2, 4, 2, True)]
-# the staged gemv (rows_per_block, warps): timed where its tile fits the static shared memory (K = 2048: up to
-# 8 rows; K = 8192: 2)
-GEMV_STAGED_CANDIDATES = [mm.GemvStaged(*c) for c in ((8, 4), (4, 4), (8, 2), (4, 2), (8, 8), (2, 2), (2, 4), (2, 8),
-                                                       (1, 8))]
+# the staged gemv (rows_per_block, warps), timed where its tile fits a block's shared memory: 16 rows halve
+# the x reads per weight byte of 8 (K = 2048: a 64 KB tile); 2-8 rows for K = 8192
+GEMV_STAGED_CANDIDATES = [mm.GemvStaged(*c) for c in ((8, 4), (4, 4), (8, 2), (4, 2), (8, 8), (16, 4), (16, 8),
+                                                       (2, 4), (2, 8), (4, 8), (8, 16))]
 COLD_BYTES = 256 << 20   # weight copies cycled through per timed graph: 5x the H200's 50 MB L2
 
 
@@ -249,7 +247,7 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
             runs += [(f"gemv {tuple(c)}", mm.gemv, {"config": c})
                      for c in (configs if m == 1 else configs_m if m <= 8 else ())]
             runs += [(f"gemv staged {tuple(c)}", mm.gemv, {"config": c})
-                     for c in (staged if m <= 2 else ()) if mm.gemv_staged_shared_bytes(c, m, k) <= STATIC_SHARED_LIMIT]
+                     for c in (staged if m <= 2 else ()) if mm.gemv_staged_shared_bytes(c, m, k) <= OPT_IN_SHARED_LIMIT]
             for label, launcher, kwargs in runs:
                 out.append(_cold_case(f"{label} {wname} cold {m}x{k} @ {n}x{k}^T", launcher, x, w, dx, copies,
                                       dout, kwargs))
