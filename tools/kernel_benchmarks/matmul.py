@@ -171,7 +171,6 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
     return out
 
 
-
 def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDATES) -> list[Case]:
     """gemm_pipelined (the planes kernel included, as the engine runs it) in every tile of `tiles` that fits,
     next to gemm_tc's policy tile, both modes, at each M; the LM head only up to M = 256 (the engine computes
@@ -246,8 +245,8 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
             runs = [("gemm_tc", mm.gemm_tc, {})] if m > 1 else []
             runs += [(f"gemv {tuple(c)}", mm.gemv, {"config": c})
                      for c in (configs if m == 1 else configs_m if m <= 8 else ())]
-            runs += [(f"gemv staged {tuple(c)}", mm.gemv, {"config": c})
-                     for c in (staged if m <= 2 else ()) if mm.gemv_staged_shared_bytes(c, m, k) <= OPT_IN_SHARED_LIMIT]
+            runs += [(f"gemv staged {tuple(c)}", mm.gemv, {"config": c}) for c in (staged if m <= 2 else ())
+                     if mm.gemv_staged_shared_bytes(c, m, k) <= OPT_IN_SHARED_LIMIT]
             for label, launcher, kwargs in runs:
                 out.append(_cold_case(f"{label} {wname} cold {m}x{k} @ {n}x{k}^T", launcher, x, w, dx, copies,
                                       dout, kwargs))
