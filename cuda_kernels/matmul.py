@@ -258,6 +258,18 @@ def _f32_pair(word):
             f32_from_bits(uint32(uint64(word) >> uint64(32))))
 
 
+@cuda.jit(device=True, inline=True)
+def _x_quad(x64, m, j, bf16_inputs):
+    """x[m, 4j .. 4j + 3], the four activations that meet weight word j, as two 64-bit loads from x64 (x seen
+    as (M, K/2) uint64), each rounded to the nearest bf16 when bf16_inputs."""
+    x0, x1 = _f32_pair(x64[m, 2 * j])
+    x2, x3 = _f32_pair(x64[m, 2 * j + 1])
+    if bf16_inputs:
+        x0, x1 = round_bf16_pair(x0, x1)
+        x2, x3 = round_bf16_pair(x2, x3)
+    return x0, x1, x2, x3
+
+
 # ---------------------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------------------
@@ -597,18 +609,15 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
 
         # x for this thread's words t, t + THREADS, .. of a row (4 each, as two 64-bit loads), for the block's
         # MT activation rows: loaded while the tile may still be landing.
-        # NOTE: 64-bit x loads were never slower than 32-bit ones in the register gemv's lab ladder and up to
-        # 0.28 us faster on the 1B weights (BENCHMARKS.md, 2026-12-04 fifth run)
+        # NOTE: 64-bit x loads were never slower than 32-bit ones in a lab copy of the register gemv and up to
+        # 0.28 us faster on the 1B weights (BENCHMARKS.md, 2026-12-04 fifth run). The register gemv itself
+        # keeps 32-bit ones: there they cost registers (offline ptxas: gate/up 64 -> 72, the m = 8 kernels
+        # 80 -> 94 and 94 -> 114), hence occupancy, which only a GPU run can weigh.
         xr = cuda.local.array(XN, float32)
         for mm in range(MT):
-            mi = min(m0 + mm, M - 1)
             for i in range(WPT):
-                h = 2 * min(t + i * THREADS, KW - 1)     # clamped; a word past the row is skipped below
-                x0, x1 = _f32_pair(x64[mi, h])
-                x2, x3 = _f32_pair(x64[mi, h + 1])
-                if bf16_inputs:
-                    x0, x1 = round_bf16_pair(x0, x1)
-                    x2, x3 = round_bf16_pair(x2, x3)
+                # the word clamped to the row; one past it is skipped below
+                x0, x1, x2, x3 = _x_quad(x64, min(m0 + mm, M - 1), min(t + i * THREADS, KW - 1), bf16_inputs)
                 b = (mm * WPT + i) * 4
                 xr[b] = x0
                 xr[b + 1] = x1
