@@ -1179,8 +1179,8 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     flight per row and K split (tuning); by default gemv_config(M, N, K).
     gated: W is the fused [gate; up] (2F, K) and out (M, F) <- silu(x @ gate^T) * (x @ up^T), the SiLU*mul
     in the epilogue (config.rows_per_warp must be even: a warp pairs its gate and up rows).
-    config may also be a GemvStaged (the staged gemv; K % 8 == 0 and its tile within static shared memory,
-    else ValueError; gated: rows_per_block even).
+    config may also be a GemvStaged (the staged gemv; K % 8 == 0, C-contiguous x and weight, and
+    gemv_staged_shared_bytes within launch.OPT_IN_SHARED_LIMIT, else ValueError; gated: rows_per_block even).
     """
     M, N, K = _check_args(x, weight, out, allow_u64_weight=True, gated=gated)
     setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "gated" if gated else "")

@@ -387,6 +387,7 @@ def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs, u64_vie
        st.booleans())
 @example(seed=0, m=3, fk=pick((3, 264), (8192, 2048)), bf16_inputs=False)  # always: several rows, every warp busy
 def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
+    """The SiLU*mul epilogue on the staged gemv: a block's gate rows and their up rows staged together."""
     f, k = fk
     x, w = make_inputs(seed, m, 2 * f, staged_k(config, k, m))
     out = stale_out(m, f)
@@ -400,6 +401,8 @@ def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
        st.sampled_from([4, 16]), st.booleans())
 @example(seed=0, m=8, heads=pick((2, 1, 8), (32, 8, 64)), k=pick(136, 2048), block_size=4, bf16_inputs=False)
 def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
+    """The RoPE + KV-write epilogue on the staged gemv, whose position, cos, sin and slot are read before the
+    PDL wait: rotated q, K and V in their slots, a padding token's slot untouched."""
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, staged_k(config, k, m), block_size)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
