@@ -1151,9 +1151,13 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     128 registers take about 3 of the 4 blocks an SM's register file holds, so little of the next kernel
     can be resident, and loading, before they exit (an inference from the register counts, not measured;
     it would also explain why the read probe, with fewer registers, overlaps more). The staged gemv
-    (GemvStaged) holds its weights in shared memory instead (40-56 registers at m = 1); it was written in a
-    session without a GPU and is not picked until it is timed (tools/kernel_benchmarks/matmul.py --gemv,
-    tools/profile_step.py --gemv N,K=staged,R,W).
+    (GemvStaged) holds its weights in shared memory instead (40-56 registers at m = 1).
+    NOTE: the staged gemv timed cold against the picks in one run (BENCHMARKS.md, 2026-12-05): QKV 3.47 us
+    (3,633 GB/s) with GemvStaged(16, 8) against 4.27 for GEMV_SPLIT, 3.52 with (8, 8), 3.88-7.03 for the
+    other 9. It lost on O (best 3.19 us against 3.03) and on down (best 10.15 against 9.32); gate/up (8, 4)
+    took 16.00 us against 16.86. In the batch-1 step (16, 4) and (8, 4) on QKV and O were even or 0.7%
+    slower; (16, 8) on QKV alone has not been timed in the step nor its rope epilogue tested on a GPU, so it
+    is not picked yet.
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:

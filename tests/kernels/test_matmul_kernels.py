@@ -349,7 +349,7 @@ def test_gemv_rope_checks():
 STAGED_CONFIGS = [mm.GemvStaged(2, 1), mm.GemvStaged(3, 2), mm.GemvStaged(4, 2)]
 if not SIM:
     STAGED_CONFIGS += [mm.GemvStaged(8, 4), mm.GemvStaged(4, 4), mm.GemvStaged(8, 2), mm.GemvStaged(16, 4),
-                       mm.GemvStaged(2, 8), mm.GemvStaged(8, 16)]
+                       mm.GemvStaged(2, 8), mm.GemvStaged(8, 16), mm.GemvStaged(8, 8), mm.GemvStaged(16, 8)]
 STAGED_PAIRED_CONFIGS = [c for c in STAGED_CONFIGS if c.rows_per_block % 2 == 0]
 
 
