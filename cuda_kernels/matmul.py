@@ -1147,6 +1147,9 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     bytes (4,460 and 4,360) is mostly the x reads: without them (x a constant, same loads and FMAs) QKV took
     3.27 us against 4.36 and O 2.28 against 2.86 (BENCHMARKS.md, 2026-12-04 fifth run). Staging x a pass
     ahead in registers, or once per block in shared memory, was slower; so were 8 rows per warp.
+    Loading all of a pass's x values of a row before its first FMA (the PTX issued them one word at a time
+    between the FMAs) was within 0.3 us of the picks at m = 1 and 1.35-1.6x slower at m = 8 on O, gate/up,
+    down and the LM head (H100, BENCHMARKS.md, 2026-12-05 second run), so it was not kept.
     NOTE: the picks above hold 80-128 registers per thread (offline ptxas): QKV's 384 blocks of 128 threads x
     128 registers take about 3 of the 4 blocks an SM's register file holds, so little of the next kernel
     can be resident, and loading, before they exit (an inference from the register counts, not measured;
@@ -1156,8 +1159,9 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     (3,633 GB/s) with GemvStaged(16, 8) against 4.27 for GEMV_SPLIT, 3.52 with (8, 8), 3.88-7.03 for the
     other 9. It lost on O (best 3.19 us against 3.03) and on down (best 10.15 against 9.32); gate/up (8, 4)
     took 16.00 us against 16.86. In the batch-1 step (16, 4) and (8, 4) on QKV and O were even or 0.7%
-    slower; (16, 8) on QKV alone has not been timed in the step nor its rope epilogue tested on a GPU, so it
-    is not picked yet.
+    slower. (16, 8) on QKV alone, timed in the step (BENCHMARKS.md, 2026-12-05 second run): 951.3 us against
+    930.4 for GEMV_SPLIT on the H200 (on an H100, both with the x-load order tried above, 1,151 against
+    1,168), so the pick stays GEMV_SPLIT: faster alone and cold is not faster between its neighbours under PDL.
     """
     wide, long_k = n >= GEMV_WIDE_N, k >= 4096
     if m == 1:
