@@ -1,10 +1,12 @@
 """tools/bench.py on the CPU backend with the tiny random model: real measured numbers, exactly the requested
-token counts, the markdown rows, and the peer skipped (with its reason) where torch cannot be imported."""
+token counts, the markdown rows, and the peer skipped (with its reason) where torch cannot be imported. The
+kernels workload runs where the CUDA engine's kernels do (the simulator under the default test profile)."""
 
 import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +30,16 @@ def no_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
 
 
-def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, capsys):
+@pytest.fixture
+def no_simulator(monkeypatch):
+    """Run as without NUMBA_ENABLE_CUDASIM (which the default test profile sets): the cpu backend then has no
+    kernels to time. Only code that reads compat.SIMULATOR when called sees it; the cpu backend runs no kernel."""
+    from cuda_kernels import compat
+
+    monkeypatch.setattr(compat, "SIMULATOR", False)
+
+
+def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, no_simulator, capsys):
     out_json, out_md, out_png = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "sweep.png"
     argv = ["all", "--quick", "--preset", "tiny", "--backend", "cpu", "--max-num-seqs", "4", "--sweep", "1,2",
             "--model-dir", str(tmp_path / "model"), "--json", str(out_json), "--markdown", str(out_md),
@@ -68,6 +79,8 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, capsys):
             == r["tinyvllm"]["throughput"]["static"]["requested_output_tokens"])
 
     assert "torch" in r["peer"]["skipped"] and "not importable" in r["peer"]["skipped"]
+    assert r["tinyvllm"]["kernels"] == {
+        "skipped": "kernels not measured: the cpu backend (--backend cpu) has no GPU kernels to time"}
 
     md = out_md.read_text()
     assert md in capsys.readouterr().out
@@ -75,7 +88,7 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, capsys):
     for line in (f"| latency: batch 1, prompt {q.latency_prompt}, {q.latency_new} new | decode tok/s |",
                  "| output tok/s, continuous |", "| output tok/s, static |",
                  f"| prefill: {q.prefill_prompt}-token prompt | time to first token (ms) |",
-                 f"{r['peer']['skipped']}.",
+                 f"{r['peer']['skipped']}.", f"{r['tinyvllm']['kernels']['skipped']}.",
                  "| batch size | tinyvllm continuous | tinyvllm static | HF static batch |"):
         assert line in md
     sweep_rows = [row for row in md.splitlines() if row.startswith(("| 1 |", "| 2 |"))]
@@ -84,6 +97,60 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, capsys):
         assert out_png.stat().st_size > 0 and r["plot"] == f"wrote {out_png}"
     else:
         assert not out_png.exists() and "matplotlib" in r["plot"]
+
+
+def test_kernels_workload_checks_and_times_every_case(bench, tmp_path, capsys):
+    """The kernels workload alone on the tiny model (in the simulator under the default profile, on the GPU
+    under the gpu one): every case passed its reference check and was timed; bytes follow the shapes, GB/s =
+    bytes / time, met = GB/s >= target; one markdown row per case."""
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    argv = ["kernels", "--quick", "--preset", "tiny", "--backend", "cuda", "--matmul-precision", "bf16", "--no-peer",
+            "--model-dir", str(tmp_path / "model"), "--json", str(out_json), "--markdown", str(out_md)]
+    assert bench.main(argv) == 0
+    r = json.loads(out_json.read_text())
+    assert r["errors"] == [] and r["tinyvllm"]["backend"] == "cuda" and r["config"]["workloads"] == ["kernels"]
+    assert r["peer"] == {"skipped": "HF transformers peer not measured: --no-peer"}
+    cases = r["tinyvllm"]["kernels"]["cases"]
+    # the tiny preset: hidden 64, 4 query and 2 KV heads of 16, FFN 96, vocab 260; fp32 x and out
+    q, kv, f = 4 * 16, 2 * 16, 96
+    expected = [  # name, shape, call, bytes (weight + x + out; QKV also writes K and V as bf16), target
+        ("GEMV: QKV + RoPE + KV write", "1x64 @ 128x64^T", "matmul_rope_kv_write",
+         128 * 64 * 2 + 4 * (64 + q) + 2 * kv * 2, 3500),
+        ("GEMV: O", "1x64 @ 64x64^T", "matmul", 64 * 64 * 2 + 4 * (q + 64), 3500),
+        ("GEMV: gate/up + SiLU*mul", "1x64 @ 192x64^T -> 1x96", "gated_matmul", 2 * f * 64 * 2 + 4 * (64 + f), 3500),
+        ("GEMV: down", "1x96 @ 64x96^T", "matmul", 64 * f * 2 + 4 * (f + 64), 3500),
+        ("GEMV: LM head", "1x64 @ 260x64^T", "matmul", 260 * 64 * 2 + 4 * (64 + 260), 3500),
+        # K and V read: 2 sequences of 256 tokens (QUICK), 2 KV heads of 16, bf16
+        ("PagedAttention decode", "batch 2 x context 256, 4/2 heads, d 16, block 16", "paged_attention",
+         2 * 2 * 256 * kv * 2, 3000)]
+    assert [(c["name"], c["shape"], c["config"].split(":")[0], c["bytes"], c["target_gb_s"]) for c in cases] == expected
+    md = out_md.read_text()
+    assert md in capsys.readouterr().out
+    assert "| kernel | shape | call: kernel (config) | time (us) | GB/s | target GB/s | status |" in md
+    for c in cases:
+        assert c["check"] == "passed" and c["time_us"] > 0
+        assert c["gb_s"] == pytest.approx(c["bytes"] / (c["time_us"] * 1e-6) / 1e9)
+        assert c["met"] == (c["gb_s"] >= c["target_gb_s"])
+        status = f"{'met' if c['met'] else 'not met'} ({c['gb_s'] / c['target_gb_s']:.0%})"
+        assert (f"| {c['name']} | {c['shape']} | {c['config']} | {c['time_us']:,.1f} | {c['gb_s']:,.0f} | "
+                f"{c['target_gb_s']:,.0f} | {status} |") in md
+
+
+def test_failed_kernel_check_is_reported(bench):
+    """A case whose reference check failed (checked_time's text instead of seconds) is not timed or rated."""
+    case = SimpleNamespace(name="GEMV: O", shape="1x8 @ 8x8^T", config="matmul: gemv (4, 2, 1, 1)",
+                           bytes_moved=6_000_000)
+    failed = bench.kernel_row(case, 3500.0, "FAILED: AssertionError: 3 outputs off")
+    assert failed == {"name": "GEMV: O", "shape": "1x8 @ 8x8^T", "config": "matmul: gemv (4, 2, 1, 1)",
+                      "bytes": 6_000_000, "target_gb_s": 3500.0, "check": "FAILED: AssertionError: 3 outputs off"}
+    timed = bench.kernel_row(case, 3500.0, 2e-6)
+    assert timed["gb_s"] == pytest.approx(3000.0) and timed["met"] is False and timed["check"] == "passed"
+    results = {"config": {"matmul_precision": "fp32"},
+               "tinyvllm": {"kernels": {"device": "GPU", "cold_bytes": 1 << 20, "cases": [failed, timed]}}}
+    rows = [line for line in bench.kernels_markdown(results) if line.startswith("| GEMV: O |")]
+    assert rows == ["| GEMV: O | 1x8 @ 8x8^T | matmul: gemv (4, 2, 1, 1) | FAILED: AssertionError: 3 outputs off |  "
+                    "| 3,500 | not measured |",
+                    "| GEMV: O | 1x8 @ 8x8^T | matmul: gemv (4, 2, 1, 1) | 2.0 | 3,000 | 3,500 | not met (86%) |"]
 
 
 def test_no_peer_says_so(bench, tmp_path):

@@ -1,8 +1,9 @@
 """End-to-end benchmark of tinyvllm, with Hugging Face transformers on the same workloads in the same run.
 
-    python3 tools/bench.py latency|throughput|prefill|all [more workloads] [--sweep B1,B2,...] [options]
+    python3 tools/bench.py latency|throughput|prefill|kernels|all [more workloads] [--sweep B1,B2,...] [options]
     python3 tools/bench.py all --sweep 1,16,64,256 --json out.json --markdown out.md --plot sweep.png
     python3 tools/bench.py --sweep 1,16,64,256          # the sweep alone
+    python3 tools/bench.py latency prefill throughput kernels --matmul-precision bf16   # issue 5's five targets
     python3 tools/bench.py all --quick --preset tiny --backend cpu      # a smoke run in seconds
 
 The model is a Llama-3.2-1B-shaped checkpoint with random bf16 weights (tinyvllm.random_model, seed 0,
@@ -19,6 +20,15 @@ request is greedy with ignore_eos, so each produces exactly the tokens asked for
   [100, 1024] -> output tokens/s over the wall time of one `LLM.generate`, for the continuous and the
   static scheduler.
 - prefill: one 1,024-token prompt, max_tokens=1: time to first token, best of a few runs.
+- kernels: issue 5's single-kernel targets, each kernel launched alone as the engine launches it, on the
+  model's shapes: the five batch-1 decode GEMVs (QKV with its RoPE + KV-write epilogue, O, gate/up with its
+  SiLU*mul epilogue, down, the LM head; the default gemv config, the run's --matmul-precision), each
+  weight cold in L2 (every launch reads the next of 256 MiB of weight copies), and decode PagedAttention
+  over batch 64 x context 4,096 with the engine's default policy. Each is checked against the NumPy
+  reference, then timed as a CUDA graph of 50 launches (tools/kernel_benchmarks/common.py): GB/s of
+  weight + x + out, and of K and V read, against 3,500 and 3,000 GB/s (issue 5's targets, set for the H200
+  and Llama-3.2-1B). Skipped on the cpu backend, except in Numba's CUDA simulator, where it runs with any
+  shapes (the time is then one eager launch of Python threads: a smoke run).
 - --sweep B1,B2,...: output tokens/s against batch size. At batch size B, 2*B requests with a 128-token
   prompt and output lengths uniform in [128, 384] (mean 256) run on an engine with max_num_seqs=B, for each
   scheduler: static batching holds a batch until its longest member ends, continuous batching refills the
@@ -45,14 +55,17 @@ on; a transformers without generate_batch gets a note instead of the throughput 
 
 GPU memory: tinyvllm and the peer share one GPU, so tinyvllm runs first, each engine in turn taking
 --gpu-memory-utilization (default 0.5) of the card and freeing it (its arrays dropped, numba's deferred
-deallocations flushed) before the next engine or the peer starts. 0.5 leaves room should a release fall
-short; the free memory after each release is logged.
+deallocations flushed) before the next engine, the kernels workload (about 2 GB at the 1B shapes, freed
+the same way) or the peer starts. 0.5 leaves room should a release fall short; the free memory after each
+release is logged.
 
 Results go to --json (every number, the configuration, device, date, versions and the command line) and
 --markdown (a table ready for BENCHMARKS.md, also printed), both rewritten after every measurement so
 that a run cut short keeps what it measured; --plot (default bench_sweep.png) gets the sweep. With the
-defaults, `all --sweep 1,16,64,256` with the peer is meant to fit in about 9 minutes on an H200; --quick
-shrinks every workload for smoke runs.
+defaults, `all --sweep 1,16,64,256` with the peer is meant to fit in about 10 minutes on an H200 (kernels:
+about a minute, most of it making random weights and checking them); --quick shrinks every workload for
+smoke runs (kernels: batch 2 x context 256 and 1 MiB of weight copies; with --preset tiny about 30 s in the
+simulator).
 """
 
 from __future__ import annotations
@@ -77,15 +90,19 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-try:
-    import tinyvllm  # noqa: F401
-except ImportError:  # run from a source checkout without installing
+# the repository root: for tools.kernel_benchmarks (the kernels workload), and for tinyvllm when run from a
+# source checkout without installing
+if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-WORKLOADS = ("latency", "throughput", "prefill")
+WORKLOADS = ("latency", "throughput", "prefill", "kernels")
+PEER_WORKLOADS = ("latency", "throughput", "prefill")  # the HF peer has no single kernels to set beside ours
 SCHEDULERS = ("continuous", "static")
 # Requests per sweep point, in units of the batch size: a second wave is what lets continuous batching refill.
 SWEEP_WAVES = 2
+# Issue 5's targets for single kernels, in GB/s (set for the H200 and the Llama-3.2-1B shapes)
+GEMV_TARGET_GBS = 3500.0        # decode GEMV at batch 1, weight + x + out, every weight cold in L2
+ATTENTION_TARGET_GBS = 3000.0   # decode PagedAttention at batch 64 x context 4,096, K and V read
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,11 @@ class Sizes:
     sweep_prompt: int = 128
     sweep_output_lens: tuple[int, int] = (128, 384)
     runs: int = 3                    # timed runs of latency and prefill (best kept); HF eager latency runs once
+    attention_batch: int = 64        # kernels: decode PagedAttention's sequences
+    attention_context: int = 4096    # and their cached tokens (at most the model's max_position_embeddings)
+    # kernels: the weight copies each GEMV cycles through, so that every launch reads its weight cold from DRAM
+    # (tools/kernel_benchmarks/matmul.py's COLD_BYTES: 5x the H200's 50 MB L2)
+    cold_bytes: int = 256 << 20
 
     def max_context(self, job: str) -> int:
         """The longest prompt + output a job's requests reach."""
@@ -111,7 +133,8 @@ class Sizes:
 
 
 QUICK = Sizes(latency_prompt=32, latency_new=32, num_requests=16, prompt_lens=(16, 128), output_lens=(16, 64),
-              prefill_prompt=256, sweep_prompt=32, sweep_output_lens=(16, 48), runs=2)
+              prefill_prompt=256, sweep_prompt=32, sweep_output_lens=(16, 48), runs=2, attention_batch=2,
+              attention_context=256, cold_bytes=1 << 20)
 
 
 @dataclass
@@ -193,17 +216,25 @@ class TinyEngine:
         self.backend = self.llm.engine.runner.name
 
     def close(self) -> str:
-        """Drop the engine and flush numba's deferred frees; returns a line on the device memory left free."""
+        """Drop the engine and free its device memory; returns a line on the device memory left free."""
         self.llm = None
-        gc.collect()
-        if self.backend != "cuda":
-            return "host memory released"
-        from numba import cuda
+        return free_device_memory(self.backend)
 
-        context = cuda.current_context()
-        context.deallocations.clear()
-        free, total = context.get_memory_info()
-        return f"GPU memory free after release: {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
+
+def free_device_memory(backend: str) -> str:
+    """Collect what the caller dropped and flush numba's deferred frees; returns a line on the memory left free."""
+    gc.collect()
+    if backend != "cuda":
+        return "host memory released"
+    from cuda_kernels.compat import SIMULATOR
+    from numba import cuda
+
+    if SIMULATOR:  # no device memory, and no deferred frees
+        return "simulated device memory released"
+    context = cuda.current_context()
+    context.deallocations.clear()
+    free, total = context.get_memory_info()
+    return f"GPU memory free after release: {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
 
 
 def warm_up(llm, rng: np.random.Generator, num_seqs: int, max_context: int, high: int) -> float:
@@ -333,6 +364,82 @@ def record(results: dict, name: str, job) -> None:
         traceback.print_exc()
         results["errors"].append({"job": name, "error": f"{type(exc).__name__}: {exc}"})
         log(f"{name}: FAILED ({type(exc).__name__}: {exc})")
+
+
+# -- tinyvllm's kernels, one at a time -----------------------------------------------------------------------
+
+def kernels_unavailable(backend: str) -> str | None:
+    """Why the kernels workload cannot run here, or None. It times the CUDA engine's kernels: on a GPU, or in
+    Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) on any backend, slowly (a smoke run of the plumbing)."""
+    from cuda_kernels import compat
+    from tinyvllm.runners import choose_backend
+
+    if compat.SIMULATOR or choose_backend(backend) == "cuda":
+        return None
+    return f"kernels not measured: the cpu backend (--backend {backend}) has no GPU kernels to time"
+
+
+def kernel_cases(cfg: BenchConfig, config) -> list[tuple[float, object]]:
+    """(target GB/s, tools.kernel_benchmarks.common.Case) for each kernel of the workload, on the model's shapes."""
+    from tinyvllm.engine import EngineOptions
+    from tools.kernel_benchmarks import attention, matmul
+
+    s, block = cfg.sizes, EngineOptions.block_size   # the block size TinyEngine's engines get: the default
+    gemvs = matmul.engine_decode_cases(config, cfg.matmul_precision == "bf16", s.cold_bytes, block)
+    heads = (config.num_heads, config.num_kv_heads, config.head_dim)
+    context = min(s.attention_context, config.max_position_embeddings)
+    attn = attention.engine_decode_case(s.attention_batch, context, heads, block)
+    return [(GEMV_TARGET_GBS, case) for case in gemvs] + [(ATTENTION_TARGET_GBS, attn)]
+
+
+def kernel_row(case, target_gbs: float, seconds: float | str) -> dict:
+    """A case's record: what ran, and its time and GB/s against the target, or why its check failed."""
+    row = {"name": case.name, "shape": case.shape, "config": case.config, "bytes": case.bytes_moved,
+           "target_gb_s": target_gbs}
+    if isinstance(seconds, str):  # checked_time's report of a failed check (or launch)
+        return {**row, "check": seconds}
+    gb_s = case.bytes_moved / seconds / 1e9
+    return {**row, "check": "passed", "time_us": seconds * 1e6, "gb_s": gb_s, "met": gb_s >= target_gbs}
+
+
+def run_kernels(cfg: BenchConfig, config, results: dict, emit) -> str:
+    """The kernels workload, or the reason it is skipped; its device arrays are freed before the peer starts."""
+    ours = results["tinyvllm"]
+    reason = kernels_unavailable(cfg.backend)
+    if reason is not None:
+        ours["kernels"] = {"skipped": reason}
+        return reason
+    from cuda_kernels.compat import SIMULATOR
+    from tinyvllm.device import gpu_status
+
+    if SIMULATOR:
+        # Simulated CUDA threads are Python threads: switching between them more often makes their barriers
+        # much cheaper (as tests/conftest.py does).
+        sys.setswitchinterval(5e-4)
+    ours.setdefault("backend", "cuda")  # when no engine ran before
+    ours["kernels"] = {"device": gpu_status()[1], "cold_bytes": cfg.sizes.cold_bytes, "cases": []}
+    time_kernels(cfg, config, results, emit)
+    # the cases, whose closures hold every device array they use, went with time_kernels' frame
+    rows = ours["kernels"]["cases"]
+    return f"{sum('time_us' in row for row in rows)} of {len(rows)} kernels timed; {free_device_memory('cuda')}"
+
+
+def time_kernels(cfg: BenchConfig, config, results: dict, emit) -> None:
+    """Each case checked against reference/, then timed (tools/kernel_benchmarks/common.checked_time), into
+    results["tinyvllm"]["kernels"]["cases"]; a failed check is a recorded error."""
+    from tools.kernel_benchmarks.common import checked_time
+
+    rows = results["tinyvllm"]["kernels"]["cases"]
+    for target, case in kernel_cases(cfg, config):
+        row = kernel_row(case, target, checked_time(case))
+        rows.append(row)
+        if "time_us" in row:
+            log(f"kernels: {row['name']}: {row['time_us']:,.1f} us, {row['gb_s']:,.0f} GB/s "
+                f"({row['gb_s'] / target:.0%} of the {target:,.0f} target)")
+        else:
+            results["errors"].append({"job": f"tinyvllm kernels: {row['name']}", "error": row["check"]})
+            log(f"kernels: {row['name']}: {row['check']}")
+        emit(results)
 
 
 # -- the peer: Hugging Face transformers ---------------------------------------------------------------------
@@ -585,11 +692,15 @@ def run_bench(cfg: BenchConfig, emit=lambda results: None) -> dict:
     results["model"] = model
     results["tinyvllm"]["roofline_tok_s"] = cfg.bandwidth_gbs * 1e9 / model["weight_bytes_per_token"]
     run_tinyvllm(cfg, model_dir, config.vocab_size, results, emit)
+    if "kernels" in cfg.workloads:  # after the engines, before the peer: one user of the GPU at a time
+        record(results, "tinyvllm kernels", lambda: run_kernels(cfg, config, results, emit))
     results["device"] = device_name(results["tinyvllm"].get("backend"))
-    if cfg.peer:
-        record(results, "HF transformers", lambda: run_peer(cfg, model_dir, config.vocab_size, results, emit))
-    else:
+    if not cfg.peer:
         results["peer"] = {"skipped": "HF transformers peer not measured: --no-peer"}
+    elif not cfg.sweep and not set(cfg.workloads) & set(PEER_WORKLOADS):
+        results["peer"] = {"skipped": "HF transformers peer not measured: it has no single kernels to time"}
+    else:
+        record(results, "HF transformers", lambda: run_peer(cfg, model_dir, config.vocab_size, results, emit))
     results["wall_s"] = time.perf_counter() - started
     emit(results)
     return results
@@ -687,8 +798,33 @@ def markdown(results: dict) -> str:
             cells = [_get(ours, "sweep", sc, str(b), "output_tok_s") for sc in cfg["schedulers"]]
             cells.append(_get(theirs, "sweep", str(b), "output_tok_s"))
             lines.append(f"| {b} | " + " | ".join(_rate(c) if c else "-" for c in cells) + " |")
+    lines += kernels_markdown(results)
     lines += [f"\nFAILED: {e['job']}: {e['error']}" for e in results["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def kernels_markdown(results: dict) -> list[str]:
+    """The kernels workload's table (its lines, each after a blank one), or the reason it was skipped."""
+    kernels = results["tinyvllm"].get("kernels")
+    if not kernels:
+        return []
+    if "skipped" in kernels:
+        return ["", f"{kernels['skipped']}."]
+    lines = ["", f"Single kernels as the engine launches them, on {kernels['device']}, matmul precision "
+             f"{results['config']['matmul_precision']}; each checked against reference/ before it was timed. "
+             f"GEMV: batch 1, the weight cold in L2 ({_bytes(kernels['cold_bytes'])} of weight copies cycled "
+             "through), GB/s = (weight + x + out) / time; PagedAttention: GB/s = K and V read / time. Targets: "
+             "issue 5's, for the H200 and Llama-3.2-1B shapes.", "",
+             "| kernel | shape | call: kernel (config) | time (us) | GB/s | target GB/s | status |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for row in kernels["cases"]:
+        if "time_us" in row:
+            status = f"{'met' if row['met'] else 'not met'} ({row['gb_s'] / row['target_gb_s']:.0%})"
+            cells = [f"{row['time_us']:,.1f}", f"{row['gb_s']:,.0f}", f"{row['target_gb_s']:,.0f}", status]
+        else:
+            cells = [row["check"], "", f"{row['target_gb_s']:,.0f}", "not measured"]
+        lines.append("| " + " | ".join([row["name"], row["shape"], row["config"], *cells]) + " |")
+    return lines
 
 
 def plot_sweep(results: dict, path: Path) -> str:
@@ -734,7 +870,7 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no `choices`: argparse (3.11) rejects an empty list against them
     p.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                   help="latency, throughput, prefill or all (none: only the --sweep)")
+                   help="latency, throughput, prefill, kernels or all (none: only the --sweep)")
     p.add_argument("--model", type=Path, help="an existing model directory (default: make a random one)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b", help="random model shape")
     p.add_argument("--model-dir", type=Path, help="where to make the random model (default: a temporary dir)")
@@ -765,7 +901,7 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     if unknown:
         p.error(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}, all")
     if not a.workloads and not a.sweep:
-        p.error("name a workload (latency, throughput, prefill, all) or give --sweep")
+        p.error(f"name a workload ({', '.join(WORKLOADS)}, all) or give --sweep")
     if any(b < 1 for b in a.sweep) or a.peer_requests < 1 or a.max_num_seqs < 1:
         p.error("--sweep batch sizes, --peer-requests and --max-num-seqs must be positive")
     return BenchConfig(workloads=workloads, sizes=QUICK if a.quick else Sizes(), model=a.model, preset=a.preset,

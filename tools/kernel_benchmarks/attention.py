@@ -2,6 +2,7 @@
 
 Decode is bandwidth-bound: bytes_moved is the K and V the kernel must read (2 x sum of contexts x Hkv x d x
 2 bytes). Prefill is compute-bound: flops = 4 * Hq * d * (causal query-key pairs), the two matrix products.
+engine_decode_case (tools/bench.py's kernels workload) is the decode call of the engine, at any model's heads.
 """
 
 import numpy as np
@@ -21,8 +22,9 @@ def _random_bf16(rng, shape):
     return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
-def _paged_cache(rng, contexts, block=BLOCK):
-    """K and V pools holding every context, through a random permutation of the blocks; block tables."""
+def _paged_cache(rng, contexts, block=BLOCK, hkv=HKV, d=D):
+    """K and V pools (Hkv heads of d) holding every context, through a random permutation of the blocks; block
+    tables."""
     blocks = [-(-c // block) for c in contexts]
     perm = rng.permutation(sum(blocks)).astype(np.int32)
     tables = np.full((len(contexts), max(blocks)), -1, np.int32)
@@ -30,19 +32,20 @@ def _paged_cache(rng, contexts, block=BLOCK):
     for s, n in enumerate(blocks):
         tables[s, :n] = perm[start:start + n]
         start += n
-    shape = (sum(blocks), block, HKV, D)
+    shape = (sum(blocks), block, hkv, d)
     return _random_bf16(rng, shape), _random_bf16(rng, shape), tables
 
 
-def _atol(q_per_seq, k_cache, v_cache, tables, contexts):
+def _atol(q_per_seq, k_cache, v_cache, tables, contexts, scale=SCALE):
     """The test suite's tolerance (tests/kernels/test_attention_kernels.py: attention_atol), on this data."""
     smag, vmax = 0.0, 0.0
+    group, d = q_per_seq[0].shape[1] // k_cache.shape[2], k_cache.shape[3]
     for q, table, ctx in zip(q_per_seq, tables, contexts):
         k, v = ref.gather_kv(k_cache, v_cache, table, ctx)
-        ka = np.repeat(np.abs(k), HQ // HKV, axis=1).transpose(1, 2, 0)
-        smag = max(smag, SCALE * float((np.abs(q).transpose(1, 0, 2) @ ka).max()))
+        ka = np.repeat(np.abs(k), group, axis=1).transpose(1, 2, 0)
+        smag = max(smag, scale * float((np.abs(q).transpose(1, 0, 2) @ ka).max()))
         vmax = max(vmax, float(np.abs(v).max()))
-    return vmax * F32_EPS * (16 * (1 + smag) + 4 * np.sqrt(D) * smag + 8 * np.sqrt(max(contexts)))
+    return vmax * F32_EPS * (16 * (1 + smag) + 4 * np.sqrt(d) * smag + 8 * np.sqrt(max(contexts)))
 
 
 def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_only=False):
@@ -97,6 +100,42 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
         Case("attention", f"paged_attention_v1 {shape}", run_v1, check(run_v1), bytes_moved=kv_bytes),
         Case("attention", f"paged_attention_split (partition {partition_size}) + reduce {shape}", run_split,
              check(run_split), bytes_moved=kv_bytes)]
+
+
+def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK) -> Case:
+    """Decode attention as the engine runs it (tinyvllm/cuda_runner.py): paged_attention with a workspace and
+    no overrides, so its own lanes, warps and split policies, for `batch` sequences of `context` cached tokens
+    with heads = (Hq, Hkv, d) and KV blocks of `block` tokens; tables as wide as the context (for 4,096
+    tokens in blocks of 16, also the width bucket of the engine's decode graph). bytes_moved: the K and V read."""
+    hq, hkv, d = heads
+    rng = np.random.default_rng(0)
+    contexts = [context] * batch
+    k_cache, v_cache, tables = _paged_cache(rng, contexts, block, hkv, d)
+    q = rng.standard_normal((batch, hq, d), dtype=np.float32)
+    lens, scale = np.array(contexts, np.int32), np.float32(d ** -0.5)
+    dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
+    out = cuda.device_array((batch, hq, d), np.float32)
+    width = tables.shape[1]
+    workspace = cuda.device_array(max(1, paged_attention.decode_workspace_size(batch, hq, hkv, d, width)), np.float32)
+
+    def launch(stream):
+        paged_attention.paged_attention(dq, dk, dv, dt, dl, scale, out, stream, workspace=workspace)
+
+    def check():
+        out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+        launch(0)
+        want = ref.paged_attention(q, k_cache, v_cache, tables, lens, scale)
+        atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts, scale)
+        np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+
+    # the launcher's policy, spelled out (paged_attention computes the same from the same shapes)
+    lanes = paged_attention.decode_lanes_policy(batch, hq, hkv, d, width)
+    warps = paged_attention.decode_warps_policy(batch, hq, hkv, d, lanes)
+    parts, blocks = paged_attention.decode_partitions(batch, hq, hkv, width, warps)
+    split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
+    return Case("attention", "PagedAttention decode", launch, check, bytes_moved=2 * batch * context * hkv * d * 2,
+                shape=f"batch {batch} x context {context}, {hq}/{hkv} heads, d {d}, block {block}",
+                config=f"paged_attention: {lanes} lanes/key, {warps} warps, {split}")
 
 
 def _prefill_cases(rng, chunks, naive=False):

@@ -7,14 +7,18 @@ throughput (useful flops), and the fraction of the measured ceiling.
 Timing: a kernel launch from Python costs 20-80 us of host time, more than most decode kernels run, so
 back-to-back eager launches would time Python. The launches are therefore captured into a CUDA graph
 (tinyvllm/cuda_graph.py) and the graph is replayed between two CUDA events; a replayed
-kernel costs about 1 us of launch overhead (see shared GPU.md).
+kernel costs about 1 us of launch overhead (see shared GPU.md). Numba's CUDA simulator has neither graphs nor
+event timing: there a case's time is the wall time of one eager launch, which shows that the case runs, not how
+fast (every CUDA thread is a Python thread).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+from cuda_kernels.compat import SIMULATOR  # (also the numpy shim, which must precede numba.cuda)
 from numba import cuda
 
 from tinyvllm.cuda_graph import CUDAGraph
@@ -28,10 +32,18 @@ class Case:
     check: Callable[[], None]        # raises AssertionError when the result disagrees with reference/
     bytes_moved: float = 0.0         # minimum DRAM traffic of one launch
     flops: float = 0.0               # useful floating-point operations of one launch
+    shape: str = ""                  # the shape and the configuration, for reports that tabulate them apart
+    config: str = ""                 # (tools/bench.py); the older cases give both in their name
 
 
 def time_launch(launch: Callable[[object], None], repeats: int = 50) -> float:
-    """Mean seconds per launch: `repeats` launches captured in a graph, replayed between CUDA events."""
+    """Mean seconds per launch: `repeats` launches captured in a graph, replayed between CUDA events (in the
+    simulator: the wall time of one eager launch)."""
+    if SIMULATOR:
+        start = time.perf_counter()
+        launch(0)
+        cuda.synchronize()
+        return time.perf_counter() - start
     stream = cuda.stream()
     launch(stream)  # compile and warm up outside the capture
     stream.synchronize()

@@ -10,6 +10,8 @@
   labelled variant, so one GPU run compares the policy's choice with its alternatives;
 - matmul_naive at M = 1 on the O projection, the teaching baseline, for comparison;
 - a few labelled variants (gemv rows per warp, a 128 x 128 gemm tile) to re-tune the defaults on the GPU.
+- engine_decode_cases (tools/bench.py's kernels workload): the five M = 1 matmuls of any model config as the
+  engine calls them (QKV with its RoPE epilogue, gate/up with its SiLU*mul one), cold, in the run's precision.
 Inputs are random (NumPy, fixed seed) and live on the device; every launch writes a preallocated `out`.
 
 tools/bench_kernels.py rates TFLOP/s against the fp32 FMA peak; for the tensor-core cases run this module,
@@ -26,6 +28,8 @@ mma.sync peak (359 TFLOP/s, GPU.md) that the mma work reaches (3x the useful flo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim before numba.cuda, for `python -m` runs)
@@ -34,7 +38,11 @@ from cuda_kernels import matmul as mm
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
+from reference.kv_cache import allocate_kv_cache
+from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
+from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
+from reference.rope import rope_tables
 from tools.kernel_benchmarks.common import Case, checked_time
 
 # (name, N, K) of the Llama-3.2-1B projections
@@ -77,11 +85,16 @@ def _reference(x, w, bf16_inputs):
     return _last_reference[key]
 
 
+def _dot_tolerance(x, magnitude):
+    """The bound on the fp32 summation error of dots over x's rows whose terms' absolute sums are `magnitude`."""
+    return 4 * EPS * np.sqrt(x.shape[1]) * magnitude + 1e-30
+
+
 def _check_close(out, x, w, bf16_inputs=False):
     """out == x @ W^T within the fp32 summation error (as in tests/kernels/test_matmul_kernels.py)."""
     got = out.copy_to_host()
     want, magnitude = _reference(x, w, bf16_inputs)
-    bound = 4 * EPS * np.sqrt(x.shape[1]) * magnitude + 2 * EPS * np.abs(want) + 1e-30
+    bound = _dot_tolerance(x, magnitude) + 2 * EPS * np.abs(want)
     err = np.abs(got - want)
     if not (err <= bound).all():  # NaN fails too
         i = np.unravel_index(np.argmax(np.where(err <= bound, 0, 1 + err / bound)), got.shape)
@@ -264,9 +277,140 @@ def _cold_case(name, launcher, x, w, dx, copies, dout, kwargs) -> Case:
         dout.copy_to_device(np.full(dout.shape, np.nan, np.float32))
         launcher(dx, copies[0], dout, 0, **kwargs)
         cuda.synchronize()
-        _check_close(dout, x, w)
+        _check_close(dout, x, w, kwargs.get("bf16_inputs", False))
 
     return Case("matmul", name, launch, check, bytes_moved=w.nbytes + dx.nbytes + dout.nbytes)
+
+
+def engine_decode_cases(config, bf16_inputs: bool = False, cold_bytes: int = COLD_BYTES,
+                        block_size: int = 16) -> list[Case]:
+    """The five batch-1 decode matmuls of a model as the engine launches them (tinyvllm/cuda_runner.py at
+    M = 1), on the shapes of `config` (a tinyvllm ModelConfig), in the engine's matmul precision (bf16_inputs:
+    "bf16") and with its default policy, each weight cold in L2 as in cold_cases (cold_bytes of copies, cycled
+    through):
+
+    - QKV: matmul_rope_kv_write, i.e. gemv_rope: the fused QKV gemv with RoPE and the KV-cache write as its
+      epilogue (one token's rotated q written, its rotated K and its V stored in a cache slot);
+    - O, down and the LM head: matmul, i.e. gemv;
+    - gate/up: gated_matmul (mlp's first half), i.e. gemv with gated=True: out (1, F) = silu(gate) * up.
+    Each gemv takes gemv_config(1, N, K); a case's `config` names the call, its kernel and that pick. In the
+    simulator the dispatchers keep M = 1 off gemv
+    (GEMV_MAX_M = 0) and run gemm (and the RoPE or SiLU kernel after it): `config` says so there.
+    bytes_moved: the weight, x and what the call writes (out; for QKV q and the bf16 K and V)."""
+    rng = np.random.default_rng(4)
+
+    def inputs(n, k):
+        """x (1, k) and a bf16 weight (n, k), on the host (for the check) and on the device (x; the copies)."""
+        x = rng.standard_normal((1, k), dtype=np.float32)
+        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
+        return x, w, cuda.to_device(x), [cuda.to_device(w) for _ in range(max(1, -(-cold_bytes // w.nbytes)))]
+
+    h, f = config.hidden_size, config.intermediate_size
+    return [_rope_case(config, block_size, bf16_inputs, *inputs(config.q_size + 2 * config.kv_size, h)),
+            _plain_case("O", bf16_inputs, *inputs(h, config.q_size)),
+            _gated_case(bf16_inputs, *inputs(2 * f, h)),
+            _plain_case("down", bf16_inputs, *inputs(h, f)),
+            _plain_case("LM head", bf16_inputs, *inputs(config.vocab_size, h))]
+
+
+def _engine_kernel(n: int, k: int, gemv_name: str, simulator_path: str) -> str:
+    """The kernel the engine's matmul dispatch runs for x (1, k) @ W (n, k)^T, with gemv_config's pick."""
+    if mm.uses_gemv(1, n):
+        config = mm.gemv_config(1, n, k)
+        return f"{gemv_name} {type(config).__name__}{tuple(config)}"
+    return f"{simulator_path} (the simulator's M = 1 path)"
+
+
+def _plain_case(name, bf16_inputs, x, w, dx, copies) -> Case:
+    """O, down or the LM head as the engine runs it: matmul, checked as every plain case is (_check_close)."""
+    n, k = w.shape
+    case = _cold_case(f"GEMV: {name}", mm.matmul, x, w, dx, copies, cuda.device_array((1, n), np.float32),
+                      {"bf16_inputs": bf16_inputs})
+    return replace(case, shape=f"1x{k} @ {n}x{k}^T", config="matmul: " + _engine_kernel(n, k, "gemv", "gemm"))
+
+
+def _gated_case(bf16_inputs, x, w, dx, copies) -> Case:
+    """gate/up as matmul.mlp runs it: gated_matmul into out (1, F), checked against reference.gated_matmul."""
+    n, k = w.shape
+    out, scratch = cuda.device_array((1, n // 2), np.float32), cuda.device_array((1, n), np.float32)
+
+    def gated_matmul(x_, w_, out_, stream, bf16_inputs):
+        mm.gated_matmul(x_, w_, out_, scratch, stream, bf16_inputs=bf16_inputs)
+
+    case = _cold_case("GEMV: gate/up + SiLU*mul", gated_matmul, x, w, dx, copies, out, {"bf16_inputs": bf16_inputs})
+
+    def check():
+        out.copy_to_device(np.full(out.shape, np.nan, np.float32))  # a kernel that skips an output must fail
+        case.launch(0)
+        cuda.synchronize()
+        _check_gated(out.copy_to_host(), x, w, bf16_inputs)
+
+    return replace(case, check=check, shape=f"1x{k} @ {n}x{k}^T -> 1x{n // 2}",
+                   config="gated_matmul: " + _engine_kernel(n, k, "gemv gated", "gemm + silu_and_mul"))
+
+
+def _rope_case(config, block_size, bf16_inputs, x, w, dx, copies) -> Case:
+    """QKV as the engine runs it: matmul_rope_kv_write for one token at the model's last position (position 0
+    would rotate nothing), its K and V into one slot of a one-block cache poisoned with NaN; checked against
+    reference.matmul.matmul_rope_kv_write."""
+    n, k = w.shape
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    positions = np.array([config.max_position_embeddings - 1], np.int32)
+    slots = np.array([block_size - 1], np.int32)
+    cos, sin = rope_tables(d, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+    cache = allocate_kv_cache(1, block_size, hkv, d)
+    dpos, dcos, dsin, dslots, dk, dv = (cuda.to_device(a) for a in (positions, cos, sin, slots, cache, cache))
+    q_out, scratch = cuda.device_array((1, hq, d), np.float32), cuda.device_array((1, n), np.float32)
+
+    def matmul_rope_kv_write(x_, w_, q_out_, stream, bf16_inputs):
+        mm.matmul_rope_kv_write(x_, w_, dpos, dcos, dsin, dk, dv, dslots, q_out_, scratch, stream,
+                                bf16_inputs=bf16_inputs)
+
+    case = _cold_case("GEMV: QKV + RoPE + KV write", matmul_rope_kv_write, x, w, dx, copies, q_out,
+                      {"bf16_inputs": bf16_inputs})
+
+    def check():
+        q_out.copy_to_device(np.full(q_out.shape, np.nan, np.float32))
+        dk.copy_to_device(cache)
+        dv.copy_to_device(cache)
+        case.launch(0)
+        cuda.synchronize()
+        k_ref, v_ref = cache.copy(), cache.copy()
+        q_ref = reference_matmul_rope_kv_write(x, w, positions, cos, sin, k_ref, v_ref, slots, hq, bf16_inputs)
+        slot = (0, block_size - 1)
+        _check_rope((q_out.copy_to_host()[0], dk.copy_to_host()[slot], dv.copy_to_host()[slot]),
+                    (q_ref[0], k_ref[slot], v_ref[slot]), x, w, bf16_inputs)
+
+    return replace(case, check=check, bytes_moved=case.bytes_moved + 2 * hkv * d * 2, shape=f"1x{k} @ {n}x{k}^T",
+                   config="matmul_rope_kv_write: " + _engine_kernel(n, k, "gemv_rope", "gemm + rope_kv_write"))
+
+
+def _check_gated(got, x, w, bf16_inputs):
+    """got (M, F) == silu(x @ gate^T) * (x @ up^T) for W = [gate; up]: each dot's summation error carried
+    through silu(g) * u (|silu'| <= 1.1), plus a few ulps (tests/kernels/test_matmul_kernels.py's bound)."""
+    dots, magnitude = _reference(x, w, bf16_inputs)
+    f, tol = w.shape[0] // 2, _dot_tolerance(x, magnitude)
+    g, u, tol_g, tol_u = dots[:, :f], dots[:, f:], tol[:, :f], tol[:, f:]
+    silu = g / (1 + np.exp(-g))
+    want = reference_gated_matmul(x, w, bf16_inputs)
+    bound = 1.1 * tol_g * (np.abs(u) + tol_u) + (np.abs(silu) + 1.1 * tol_g) * tol_u + 8 * EPS * np.abs(want)
+    np.testing.assert_array_less(np.abs(got - want), bound, err_msg="gated gemv")  # NaN fails too
+
+
+def _check_rope(got, want, x, w, bf16_inputs):
+    """got, want: (q (Hq, d), K (Hkv, d) bf16, V (Hkv, d) bf16) of one token, from the kernel and from
+    reference.matmul.matmul_rope_kv_write. A rotated value a c - b s (|c|, |s| <= 1) carries the summation
+    errors of a and b and a few ulps; a stored K or V one bf16 rounding more (as the kernel tests' check_rope)."""
+    dots, magnitude = _reference(x, w, bf16_inputs)
+    d = want[0].shape[1]
+    pairs = (_dot_tolerance(x, magnitude) + 4 * EPS * np.abs(dots)).reshape(-1, 2, d // 2).sum(axis=1)
+    bound = np.concatenate([pairs, pairs], axis=1)   # (Hq + 2 Hkv, d): both members of a pair (i, i + d/2)
+    hq, hkv = want[0].shape[0], want[1].shape[0]
+    for name, g, r, b in zip("qKV", got, want, (bound[:hq], bound[hq:hq + hkv], bound[hq + hkv:])):
+        if name != "q":
+            g, r = bf16_to_f32(g), bf16_to_f32(r)
+            b = b + 2.0 ** -7 * np.abs(r)
+        np.testing.assert_array_less(np.abs(g - r), b, err_msg=f"gemv_rope: {name}")
 
 
 def main() -> None:
