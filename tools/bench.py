@@ -63,7 +63,8 @@ Results go to --json (every number, the configuration, device, date, versions an
 --markdown (a table ready for BENCHMARKS.md, also printed), both rewritten after every measurement so
 that a run cut short keeps what it measured; --plot (default bench_sweep.png) gets the sweep. With the
 defaults, `all --sweep 1,16,64,256` with the peer is meant to fit in about 10 minutes on an H200 (kernels:
-about a minute, most of it making random weights and checking them); --quick shrinks every workload for
+13 s on an H100, most of it making random weights and checking them; `latency prefill throughput kernels`
+with the peer took 223 s there); --quick shrinks every workload for
 smoke runs (kernels: batch 2 x context 256 and 1 MiB of weight copies; with --preset tiny about 30 s in the
 simulator).
 """
