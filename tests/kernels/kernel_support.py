@@ -14,6 +14,7 @@ from cuda_kernels import compat  # noqa: F401  (the numpy shim must precede numb
 from numba import cuda  # noqa: E402
 
 from reference.bf16 import f32_to_bf16  # noqa: E402
+from reference.tolerance import F32_EPS, dot_tolerance  # noqa: E402,F401  (the tests' bounds)
 from tinyvllm.config import RopeScaling  # noqa: E402
 
 # Llama 3's rope_scaling (Llama 3.1 / 3.2 configs): the tables the kernels' tests rotate with
@@ -59,12 +60,6 @@ def assert_close(actual, expected, atol, rtol):
 
 # fp32 accumulation of n products: the rounding error of a sum grows like sqrt(n) * eps for random data;
 # tolerances are derived from that instead of being tuned until tests pass.
-F32_EPS = float(np.finfo(np.float32).eps)
-
-
-def dot_tolerance(n: int, magnitude: float) -> float:
-    """An absolute tolerance for an fp32 dot product of length n whose terms' absolute sum is `magnitude`."""
-    return 4 * F32_EPS * np.sqrt(n) * magnitude + 1e-30
 
 
 @lru_cache(maxsize=6)

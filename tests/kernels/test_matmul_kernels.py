@@ -24,11 +24,11 @@ from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, STATIC_SHARED_LIMIT
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
 from reference.matmul import bf16_planes as reference_bf16_planes
-from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
 from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
 from reference.matmul import mlp as reference_mlp
 from reference.rope import rope_tables
+from reference.tolerance import gated_bound, rope_bounds
 
 
 # Llama-3.2-1B weights as (N, K): QKV fused, O, gate/up fused, down, LM head.
@@ -169,24 +169,6 @@ def test_gemv_passes(config, seed, passes, words, tail, m, n, bf16_inputs):
     check(out, x, w, bf16_inputs)
 
 
-def gated_bound(x, w, bf16_inputs=False):
-    """(reference.gated_matmul(x, W), the elementwise bound on a kernel's error): the dot products' summation
-    error carried through silu(g) * u (|silu'(g)| <= 1.1), plus a few ulps for exp, the division and the
-    products."""
-    if bf16_inputs:
-        x = round_to_bf16(x)
-    f = w.shape[0] // 2
-    dots = reference_matmul(x, w).astype(np.float64)
-    magnitude = np.abs(x) @ np.abs(bf16_to_f32(w)).T
-    tol = dot_tolerance(x.shape[1], np.where(np.isfinite(magnitude), magnitude, 0)).astype(np.float64)
-    g, u, tol_g, tol_u = dots[:, :f], dots[:, f:], tol[:, :f], tol[:, f:]
-    with np.errstate(over="ignore", invalid="ignore"):
-        silu = g / (1 + np.exp(-g))
-        want = reference_gated_matmul(x, w)
-        bound = 1.1 * tol_g * (np.abs(u) + tol_u) + (np.abs(silu) + 1.1 * tol_g) * tol_u + 8 * F32_EPS * np.abs(want)
-    return want, bound
-
-
 def check_gated(out, x, w, bf16_inputs=False):
     """out == silu(x @ gate^T) * (x @ up^T), W = [gate; up], within gated_bound."""
     want, bound = gated_bound(x, w, bf16_inputs)
@@ -267,12 +249,7 @@ def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num
     written keep their NaN bit for bit."""
     k_ref, v_ref = cache.copy(), cache.copy()
     q_ref = reference_matmul_rope_kv_write(x, w, positions, cos, sin, k_ref, v_ref, slots, num_heads, bf16_inputs)
-    xr = round_to_bf16(x) if bf16_inputs else x
-    m, d = x.shape[0], cache.shape[3]
-    qkv = reference_matmul(xr, w).astype(np.float64).reshape(m, -1, 2, d // 2)
-    tol = dot_tolerance(x.shape[1], np.abs(xr) @ np.abs(bf16_to_f32(w)).T).reshape(m, -1, 2, d // 2)
-    pair = tol.sum(axis=2, keepdims=True) + 4 * F32_EPS * np.abs(qkv).sum(axis=2, keepdims=True)
-    bound = np.broadcast_to(pair, qkv.shape).reshape(m, -1, d)    # (M, Hq + 2 Hkv, d)
+    tol, bound = rope_bounds(x, w, cache.shape[3], bf16_inputs)   # (M, Hq + 2 Hkv, d) each
     hkv = cache.shape[2]
     got_q = q_out.copy_to_host()
     assert np.all(np.abs(got_q - q_ref) <= bound[:, :num_heads]), "q"
@@ -282,7 +259,7 @@ def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num
         blocks, offsets = slots[written] // cache.shape[1], slots[written] % cache.shape[1]
         g, r = bf16_to_f32(got[blocks, offsets]), bf16_to_f32(want[blocks, offsets])
         if name == "V":  # V is not rotated: its own dot's tolerance
-            b = tol.reshape(m, -1, d)[written][:, part]
+            b = tol[written][:, part]
         else:
             b = bound[written][:, part]
         err = np.abs(g.astype(np.float64) - r)

@@ -39,10 +39,10 @@ from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
-from reference.matmul import gated_matmul as reference_gated_matmul
 from reference.matmul import matmul as reference_matmul
 from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
 from reference.rope import rope_tables
+from reference.tolerance import dot_tolerance, gated_bound, rope_bounds
 from tools.kernel_benchmarks.common import Case, checked_time
 
 # (name, N, K) of the Llama-3.2-1B projections
@@ -85,16 +85,11 @@ def _reference(x, w, bf16_inputs):
     return _last_reference[key]
 
 
-def _dot_tolerance(x, magnitude):
-    """The bound on the fp32 summation error of dots over x's rows whose terms' absolute sums are `magnitude`."""
-    return 4 * EPS * np.sqrt(x.shape[1]) * magnitude + 1e-30
-
-
 def _check_close(out, x, w, bf16_inputs=False):
     """out == x @ W^T within the fp32 summation error (as in tests/kernels/test_matmul_kernels.py)."""
     got = out.copy_to_host()
     want, magnitude = _reference(x, w, bf16_inputs)
-    bound = _dot_tolerance(x, magnitude) + 2 * EPS * np.abs(want)
+    bound = dot_tolerance(x.shape[1], magnitude) + 2 * EPS * np.abs(want)
     err = np.abs(got - want)
     if not (err <= bound).all():  # NaN fails too
         i = np.unravel_index(np.argmax(np.where(err <= bound, 0, 1 + err / bound)), got.shape)
@@ -386,27 +381,19 @@ def _rope_case(config, block_size, bf16_inputs, x, w, dx, copies) -> Case:
 
 
 def _check_gated(got, x, w, bf16_inputs):
-    """got (M, F) == silu(x @ gate^T) * (x @ up^T) for W = [gate; up]: each dot's summation error carried
-    through silu(g) * u (|silu'| <= 1.1), plus a few ulps (tests/kernels/test_matmul_kernels.py's bound)."""
-    dots, magnitude = _reference(x, w, bf16_inputs)
-    f, tol = w.shape[0] // 2, _dot_tolerance(x, magnitude)
-    g, u, tol_g, tol_u = dots[:, :f], dots[:, f:], tol[:, :f], tol[:, f:]
-    silu = g / (1 + np.exp(-g))
-    want = reference_gated_matmul(x, w, bf16_inputs)
-    bound = 1.1 * tol_g * (np.abs(u) + tol_u) + (np.abs(silu) + 1.1 * tol_g) * tol_u + 8 * EPS * np.abs(want)
+    """got (M, F) == silu(x @ gate^T) * (x @ up^T) for W = [gate; up], within reference.tolerance.gated_bound
+    (the kernel tests' bound)."""
+    want, bound = gated_bound(x, w, bf16_inputs)
     np.testing.assert_array_less(np.abs(got - want), bound, err_msg="gated gemv")  # NaN fails too
 
 
 def _check_rope(got, want, x, w, bf16_inputs):
     """got, want: (q (Hq, d), K (Hkv, d) bf16, V (Hkv, d) bf16) of one token, from the kernel and from
-    reference.matmul.matmul_rope_kv_write. A rotated value a c - b s (|c|, |s| <= 1) carries the summation
-    errors of a and b and a few ulps; a stored K or V one bf16 rounding more (as the kernel tests' check_rope)."""
-    dots, magnitude = _reference(x, w, bf16_inputs)
-    d = want[0].shape[1]
-    pairs = (_dot_tolerance(x, magnitude) + 4 * EPS * np.abs(dots)).reshape(-1, 2, d // 2).sum(axis=1)
-    bound = np.concatenate([pairs, pairs], axis=1)   # (Hq + 2 Hkv, d): both members of a pair (i, i + d/2)
-    hq, hkv = want[0].shape[0], want[1].shape[0]
-    for name, g, r, b in zip("qKV", got, want, (bound[:hq], bound[hq:hq + hkv], bound[hq + hkv:])):
+    reference.matmul.matmul_rope_kv_write, within reference.tolerance.rope_bounds (the kernel tests' bounds):
+    Q and K rotated, V not; a stored K or V one bf16 rounding more."""
+    hq, hkv, d = want[0].shape[0], want[1].shape[0], want[0].shape[1]
+    tol, rotated = (b[0] for b in rope_bounds(x, w, d, bf16_inputs))   # (Hq + 2 Hkv, d): the one token
+    for name, g, r, b in zip("qKV", got, want, (rotated[:hq], rotated[hq:hq + hkv], tol[hq + hkv:])):
         if name != "q":
             g, r = bf16_to_f32(g), bf16_to_f32(r)
             b = b + 2.0 ** -7 * np.abs(r)
