@@ -289,8 +289,8 @@ def engine_decode_cases(config, bf16_inputs: bool = False, cold_bytes: int = COL
     - O, down and the LM head: matmul, i.e. gemv;
     - gate/up: gated_matmul (mlp's first half), i.e. gemv with gated=True: out (1, F) = silu(gate) * up.
     Each gemv takes gemv_config(1, N, K); a case's `config` names the call, its kernel and that pick. In the
-    simulator the dispatchers keep M = 1 off gemv
-    (GEMV_MAX_M = 0) and run gemm (and the RoPE or SiLU kernel after it): `config` says so there.
+    simulator the dispatchers keep M = 1 off gemv (GEMV_MAX_M = 0) and run gemm (and the RoPE or SiLU kernel
+    after it): `config` says so there.
     bytes_moved: the weight, x and what the call writes (out; for QKV q and the bf16 K and V)."""
     rng = np.random.default_rng(4)
 
