@@ -1,6 +1,7 @@
 """The command line, on the embedded default model (against HF transformers' tokens) and a tiny random one."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,7 +36,11 @@ def test_cli_runs_as_a_module_and_reads_stdin(tiny_model_dir):
                              "--no-chat", "--max-tokens", "5", "--backend", "auto"],
                             input="Hello", capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "using the CPU reference backend" in result.stderr
+    # auto takes a usable GPU (the gpu test profile) and never the simulator (the sim profile, CI's)
+    on_gpu = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "gpu"
+    picked = "using the CUDA engine on " if on_gpu else "no usable GPU ("
+    assert picked in result.stderr and ("using the CPU reference backend" in result.stderr) != on_gpu
+    assert f"[{'cuda' if on_gpu else 'cpu'}] prompt tokens: " in result.stderr
     assert "new tokens: 5 (length)" in result.stderr
 
 
