@@ -2,8 +2,10 @@
 token counts, the markdown rows, and the peer skipped (with its reason) where torch cannot be imported. The
 kernels workload runs where the CUDA engine's kernels do (the simulator under the default test profile)."""
 
+import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,6 +58,11 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, no_simulator,
     assert len(lat["runs_decode_tok_s"]) == q.runs and min(lat["runs_decode_tok_s"]) > 0
     assert lat["decode_tok_s"] == max(lat["runs_decode_tok_s"])
     assert lat["roofline_fraction"] == pytest.approx(lat["decode_tok_s"] / r["tinyvllm"]["roofline_tok_s"])
+    # no GPU to measure the copy on: the H200's rate, said so
+    assert r["tinyvllm"]["bandwidth_gbs"] == bench.H200_COPY_GBS == 4250
+    assert r["tinyvllm"]["bandwidth_source"] == "not measured (no GPU here): the H200's device copy in GPU.md"
+    weight = r["model"]["weight_bytes_per_token"]
+    assert r["tinyvllm"]["roofline_tok_s"] == pytest.approx(4250e9 / weight)
 
     pre = r["tinyvllm"]["prefill"]
     assert pre["prompt_tokens"] == q.prefill_prompt and pre["new_tokens"] == 1
@@ -89,7 +96,9 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, no_simulator,
                  "| output tok/s, continuous |", "| output tok/s, static |",
                  f"| prefill: {q.prefill_prompt}-token prompt | time to first token (ms) |",
                  f"{r['peer']['skipped']}.", f"{r['tinyvllm']['kernels']['skipped']}.",
-                 "| batch size | tinyvllm continuous | tinyvllm static | HF static batch |"):
+                 "| batch size | tinyvllm continuous | tinyvllm static | HF static batch |",
+                 f"at 4,250 GB/s (not measured (no GPU here): the H200's device copy in GPU.md) = "
+                 f"{r['tinyvllm']['roofline_tok_s']:,.0f} tok/s at batch 1."):
         assert line in md
     sweep_rows = [row for row in md.splitlines() if row.startswith(("| 1 |", "| 2 |"))]
     assert len(sweep_rows) == 2 and all(row.endswith("| - |") for row in sweep_rows)  # no peer column values
@@ -164,6 +173,30 @@ def test_no_peer_says_so(bench, tmp_path):
     assert r["peer"] == {"skipped": "HF transformers peer not measured: --no-peer"}
     assert r["tinyvllm"]["latency"]["new_tokens"] == 4 and "throughput" not in r["tinyvllm"]
     assert "peer not measured: --no-peer." in bench.markdown(r)
+
+
+def test_roofline_bandwidth_given_measured_or_said_unmeasured(bench, tmp_path):
+    sizes = bench.Sizes(latency_prompt=8, latency_new=4, runs=1, prefill_prompt=16)
+    given = bench.BenchConfig(workloads=["latency"], sizes=sizes, preset="tiny", model_dir=tmp_path / "m",
+                              backend="cpu", max_num_seqs=2, peer=False, bandwidth_gbs=1000.0)
+    r = bench.run_bench(given)
+    assert (r["tinyvllm"]["bandwidth_gbs"], r["tinyvllm"]["bandwidth_source"]) == (1000.0, "given with --bandwidth-gbs")
+    assert r["tinyvllm"]["roofline_tok_s"] == pytest.approx(1000e9 / r["model"]["weight_bytes_per_token"])
+    assert "at 1,000 GB/s (given with --bandwidth-gbs) = " in bench.markdown(r)
+    # without latency there is no roofline to set, so no copy is measured
+    r = bench.run_bench(dataclasses.replace(given, workloads=["prefill"], bandwidth_gbs=None))
+    assert r["errors"] == [] and r["tinyvllm"]["prefill"]["ttft_ms"] > 0
+    assert "bandwidth_gbs" not in r["tinyvllm"] and "Roofline" not in bench.markdown(r)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["latency", "--bandwidth-gbs", "0"])
+
+
+@pytest.mark.skipif(os.environ.get("TINYVLLM_TEST_PROFILE", "sim") != "gpu", reason="times a copy on a real GPU")
+def test_copy_bandwidth_is_measured_on_the_gpu():
+    from tools.kernel_benchmarks.common import copy_bandwidth_gbs
+
+    gbs = copy_bandwidth_gbs(1 << 28, repeats=5)
+    assert 100 < gbs < 20_000  # any GPU this runs on: a broken timing gives 0, a negative or an absurd rate
 
 
 def test_peer_unavailable_without_torch(bench, no_torch):

@@ -14,8 +14,10 @@ request is greedy with ignore_eos, so each produces exactly the tokens asked for
   token - time of the first; for the peer, from a streamer that timestamps each token), best of a few runs
   (one for the slow eager peer); also the fraction of the bandwidth roofline: a decode step
   at batch 1 reads every weight once (the tied embedding as the LM head; an untied embedding table only
-  one row), so the limit is --bandwidth-gbs (a measured device-to-device copy) / weight bytes per token.
-  KV-cache reads (a few MB at this context) are left out.
+  one row), so the limit is the copy bandwidth / weight bytes per token. The copy bandwidth is a
+  device-to-device copy measured on the GPU at the start of the run (1 GiB, read and write counted), or
+  --bandwidth-gbs when given; without a GPU, the H200's 4,250 GB/s of shared GPU.md, said so in the
+  output. KV-cache reads (a few MB at this context) are left out.
 - throughput: 256 requests (seed 0), random prompt ids in [0, 10000), prompt and output lengths uniform in
   [100, 1024] -> output tokens/s over the wall time of one `LLM.generate`, for the continuous and the
   static scheduler.
@@ -104,6 +106,7 @@ SWEEP_WAVES = 2
 # Issue 5's targets for single kernels, in GB/s (set for the H200 and the Llama-3.2-1B shapes)
 GEMV_TARGET_GBS = 3500.0        # decode GEMV at batch 1, weight + x + out, every weight cold in L2
 ATTENTION_TARGET_GBS = 3000.0   # decode PagedAttention at batch 64 x context 4,096, K and V read
+H200_COPY_GBS = 4250.0          # the roofline's bandwidth where no GPU can measure it (shared GPU.md)
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.5
     matmul_precision: str = "fp32"       # tinyvllm's matmul inputs: fp32 (exact) or bf16 (as the peer's)
-    bandwidth_gbs: float = 4250.0
+    bandwidth_gbs: float | None = None   # the roofline's copy bandwidth; None: measured on the GPU
     peer: bool = True
     peer_requests: int = 64
     sweep: list[int] = field(default_factory=list)
@@ -588,12 +591,11 @@ def run_peer(cfg: BenchConfig, model_dir: Path, vocab: int, results: dict, emit)
     theirs = results["peer"] = {"name": "HF transformers", "version": peer.version, "device": peer.device}
     if peer.device == "cuda":
         theirs["gpu"] = peer.torch.cuda.get_device_name()
-    roofline = results["tinyvllm"]["roofline_tok_s"]
 
     def latency(static):
         prompt = random_prompt(np.random.default_rng([cfg.seed, 1]), s.latency_prompt, high)
         r = peer.latency(prompt, s.latency_new, s.runs if static else 1, static)
-        r["roofline_fraction"] = r["decode_tok_s"] / roofline
+        r["roofline_fraction"] = r["decode_tok_s"] / results["tinyvllm"]["roofline_tok_s"]
         theirs.setdefault("latency", {})["static" if static else "eager"] = r
         return f"{r['decode_tok_s']:.1f} decode tok/s ({r['mode']})"
 
@@ -666,6 +668,28 @@ def device_name(backend: str | None) -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
+def roofline_bandwidth(cfg: BenchConfig) -> tuple[float, str]:
+    """(GB/s, where it comes from) for the batch-1 roofline: --bandwidth-gbs, else a device-to-device copy
+    measured now on the GPU the engine will use, else (no GPU) the H200's copy rate from shared GPU.md."""
+    if cfg.bandwidth_gbs is not None:
+        return cfg.bandwidth_gbs, "given with --bandwidth-gbs"
+    from cuda_kernels.compat import SIMULATOR
+    from tinyvllm.runners import choose_backend
+
+    if SIMULATOR or choose_backend(cfg.backend) != "cuda":
+        return H200_COPY_GBS, "not measured (no GPU here): the H200's device copy in GPU.md"
+    from tools.kernel_benchmarks.common import copy_bandwidth_gbs
+
+    try:
+        gbs = copy_bandwidth_gbs()
+    except Exception as exc:  # a yardstick that failed must not cost the measurements
+        traceback.print_exc()
+        return H200_COPY_GBS, f"the copy failed ({type(exc).__name__}: {exc}): the H200's device copy in GPU.md"
+    finally:
+        log(f"copy buffers dropped; {free_device_memory('cuda')}")
+    return gbs, "a device-to-device copy measured in this run"
+
+
 def run_bench(cfg: BenchConfig, emit=lambda results: None) -> dict:
     """Every requested measurement; `emit(results)` is called after each one (to save partial results)."""
     from tinyvllm.config import ModelConfig
@@ -691,7 +715,11 @@ def run_bench(cfg: BenchConfig, emit=lambda results: None) -> dict:
     config = ModelConfig.from_dir(model_dir)
     model["weight_bytes_per_token"] = weight_bytes_per_token(config)
     results["model"] = model
-    results["tinyvllm"]["roofline_tok_s"] = cfg.bandwidth_gbs * 1e9 / model["weight_bytes_per_token"]
+    if "latency" in cfg.workloads:  # the roofline is latency's yardstick, and the peer's
+        gbs, source = roofline_bandwidth(cfg)
+        log(f"roofline bandwidth: {gbs:,.0f} GB/s, {source}")
+        results["tinyvllm"].update(bandwidth_gbs=gbs, bandwidth_source=source,
+                                   roofline_tok_s=gbs * 1e9 / model["weight_bytes_per_token"])
     run_tinyvllm(cfg, model_dir, config.vocab_size, results, emit)
     if "kernels" in cfg.workloads:  # after the engines, before the peer: one user of the GPU at a time
         record(results, "tinyvllm kernels", lambda: run_kernels(cfg, config, results, emit))
@@ -784,8 +812,8 @@ def markdown(results: dict) -> str:
                                            for j, c in enumerate(row)) + " |")
     if lat:
         lines += ["", f"Roofline: {_bytes(model['weight_bytes_per_token'])} of weights per token at "
-                  f"{cfg['bandwidth_gbs']:,.0f} GB/s (measured device copy) = {ours['roofline_tok_s']:,.0f} tok/s "
-                  "at batch 1."]
+                  f"{ours['bandwidth_gbs']:,.0f} GB/s ({ours['bandwidth_source']}) = "
+                  f"{ours['roofline_tok_s']:,.0f} tok/s at batch 1."]
     notes = [theirs["skipped"]] if "skipped" in theirs else theirs.get("notes", [])
     if notes:
         lines += [""] + [f"{note}." for note in notes]
@@ -884,8 +912,9 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
                    help="of the card, per tinyvllm engine (default 0.5: the peer shares the GPU later in the run)")
     p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32",
                    help="tinyvllm's matmul inputs: fp32 (default, exact) or rounded to bf16 (as vLLM and HF do)")
-    p.add_argument("--bandwidth-gbs", type=float, default=4250.0,
-                   help="the device's measured copy bandwidth, for the roofline (default 4250: an H200)")
+    p.add_argument("--bandwidth-gbs", type=float,
+                   help="the copy bandwidth of the roofline (default: a device-to-device copy measured at the "
+                        f"start; without a GPU, {H200_COPY_GBS:,.0f}: the H200's)")
     p.add_argument("--no-peer", action="store_true", help="skip HF transformers")
     p.add_argument("--peer-requests", type=int, default=64,
                    help="requests of the throughput workload the HF peer runs (default 64: bounded time)")
@@ -903,8 +932,9 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
         p.error(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}, all")
     if not a.workloads and not a.sweep:
         p.error(f"name a workload ({', '.join(WORKLOADS)}, all) or give --sweep")
-    if any(b < 1 for b in a.sweep) or a.peer_requests < 1 or a.max_num_seqs < 1:
-        p.error("--sweep batch sizes, --peer-requests and --max-num-seqs must be positive")
+    if (any(b < 1 for b in a.sweep) or a.peer_requests < 1 or a.max_num_seqs < 1
+            or (a.bandwidth_gbs is not None and not a.bandwidth_gbs > 0)):
+        p.error("--sweep batch sizes, --peer-requests, --max-num-seqs and --bandwidth-gbs must be positive")
     return BenchConfig(workloads=workloads, sizes=QUICK if a.quick else Sizes(), model=a.model, preset=a.preset,
                        model_dir=a.model_dir, backend=a.backend,
                        schedulers=list(SCHEDULERS) if a.scheduler == "both" else [a.scheduler],

@@ -24,27 +24,10 @@ sys.path.insert(0, str(REPO))
 from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba.cuda)
 from numba import cuda  # noqa: E402
 
-from tools.kernel_benchmarks.common import time_launch  # noqa: E402
+from tools.kernel_benchmarks.common import copy_bandwidth_gbs, time_launch  # noqa: E402
 
 FAMILIES = ("rows", "matmul", "attention", "sampling")
 FP32_PEAK_TFLOPS = 67.0
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in GB/s (read + write counted), 1 GiB buffers."""
-    import numpy as np
-
-    n = 1 << 28
-    src, dst = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
-    dst.copy_to_device(src)
-    # A 1 GiB copy takes a few hundred microseconds: eager launches suffice, no graph needed.
-    start, stop = cuda.event(), cuda.event()
-    start.record()
-    for _ in range(20):
-        dst.copy_to_device(src)
-    stop.record()
-    stop.synchronize()
-    return 2 * src.nbytes * 20 / (cuda.event_elapsed_time(start, stop) / 1e3) / 1e9
 
 
 def main() -> int:
@@ -55,7 +38,7 @@ def main() -> int:
     args = parser.parse_args()
     device = cuda.get_current_device()
     name = device.name.decode() if isinstance(device.name, bytes) else device.name
-    copy_gbs = copy_bandwidth()
+    copy_gbs = copy_bandwidth_gbs()
     lines = [f"{datetime.date.today()} on {name}; device-to-device copy measured at {copy_gbs:,.0f} GB/s", "",
              "| family | case | time (us) | GB/s | % of copy | TFLOP/s | % of fp32 peak |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -57,6 +57,24 @@ def time_launch(launch: Callable[[object], None], repeats: int = 50) -> float:
     return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
 
 
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """The GPU's device-to-device copy rate in GB/s, read and write both counted: the practical ceiling that
+    GB/s figures of bandwidth-bound kernels are set against. Two buffers of `nbytes` each; a GPU only (the
+    simulator's events do not time)."""
+    import numpy as np
+
+    src, dst = cuda.device_array(nbytes // 4, np.float32), cuda.device_array(nbytes // 4, np.float32)
+    dst.copy_to_device(src)
+    # A 1 GiB copy takes a few hundred microseconds: eager copies suffice, no graph needed.
+    start, stop = cuda.event(), cuda.event()
+    start.record()
+    for _ in range(repeats):
+        dst.copy_to_device(src)
+    stop.record()
+    stop.synchronize()
+    return 2 * src.nbytes * repeats / (cuda.event_elapsed_time(start, stop) / 1e3) / 1e9
+
+
 def checked_time(case: Case) -> float | str:
     """Mean seconds per launch of `case` once its check has passed, or the failure as a line of text (a
     sweep reports it and goes on: one bad case must not cost the rest of a GPU run)."""
