@@ -175,7 +175,7 @@ def test_no_peer_says_so(bench, tmp_path):
     assert "peer not measured: --no-peer." in bench.markdown(r)
 
 
-def test_roofline_bandwidth_given_measured_or_said_unmeasured(bench, tmp_path):
+def test_roofline_bandwidth_given_and_none_without_latency(bench, tmp_path):
     sizes = bench.Sizes(latency_prompt=8, latency_new=4, runs=1, prefill_prompt=16)
     given = bench.BenchConfig(workloads=["latency"], sizes=sizes, preset="tiny", model_dir=tmp_path / "m",
                               backend="cpu", max_num_seqs=2, peer=False, bandwidth_gbs=1000.0)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 from cuda_kernels.compat import SIMULATOR  # (also the numpy shim, which must precede numba.cuda)
 from numba import cuda
 
@@ -61,8 +62,6 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """The GPU's device-to-device copy rate in GB/s, read and write both counted: the practical ceiling that
     GB/s figures of bandwidth-bound kernels are set against. Two buffers of `nbytes` each; a GPU only (the
     simulator's events do not time)."""
-    import numpy as np
-
     src, dst = cuda.device_array(nbytes // 4, np.float32), cuda.device_array(nbytes // 4, np.float32)
     dst.copy_to_device(src)
     # A 1 GiB copy takes a few hundred microseconds: eager copies suffice, no graph needed.
