@@ -2,8 +2,9 @@
 
 Under the simulator (CI) a tiny random Llama must give exactly the CPU reference backend's tokens, batched,
 chunked and preempted. With TINYVLLM_TEST_PROFILE=gpu a Llama-3.2-1B-shaped random model is made on the
-machine: first-step logits match the NumPy reference within the numerics' tolerance, greedy tokens match,
-and 256 mixed-length requests run to completion under both schedulers without leaking a block.
+machine: first-step logits match the NumPy reference within the numerics' tolerance, greedy tokens match
+(also on a random model of the default model's shapes), and 256 mixed-length requests run to completion
+under both schedulers without leaking a block.
 """
 
 import os
@@ -141,6 +142,26 @@ def test_greedy_tokens_match_the_cpu_reference(llama_1b, gpu_llm):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     cpu = LLM(llama_1b, backend="cpu", num_kv_blocks=64)
     assert tokens(gpu_llm.generate(prompts, params, use_tqdm=False)) == tokens(
+        cpu.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
+def test_default_model_shapes_give_the_cpu_reference_tokens(tmp_path_factory):
+    """The shapes of the default model, which `tinyvllm generate` runs on a GPU through graphs: hidden 576
+    (not a multiple of 128), 9 query heads over 3 KV heads, FFN 1,536, 30 layers, vocabulary 49,152, tied
+    embeddings. Random weights, since the GPU image cannot download the model."""
+    from tinyvllm.random_model import SMOLLM2_135M, make_random_model
+
+    model = make_random_model(tmp_path_factory.mktemp("smollm2"), "smollm2-135m", seed=0)
+    # Seed 3: over these 24 greedy steps the reference's smallest gap between its two largest logits is 0.067
+    # (logits reach about 5), wide against the summation-order differences a GPU may add.
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 10000, n).tolist() for n in (42, 7, 130)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    gpu = LLM(model, backend="cuda", num_kv_blocks=256)  # a small cache: gpu_llm holds 45% of the card
+    assert gpu.engine.runner.use_graphs and gpu.engine.config.hidden_size == SMOLLM2_135M["hidden_size"] == 576
+    cpu = LLM(model, backend="cpu", num_kv_blocks=256)
+    assert tokens(gpu.generate(prompts, params, use_tqdm=False)) == tokens(
         cpu.generate(prompts, params, use_tqdm=False))
 
 

@@ -28,11 +28,21 @@ LLAMA_3_2_1B = {
     "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
 }
 
+# The embedded default model's shapes (SmolLM2-135M-Instruct's config.json), for testing its GPU path where
+# the model itself cannot be downloaded; the special token ids are the byte-level test tokenizer's.
+SMOLLM2_135M = {
+    "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    "bos_token_id": 256, "eos_token_id": [257, 259],
+}
+
 # The byte-level test tokenizer: the 256 byte symbols, then these specials.
 BYTE_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 
 PRESETS = {
     "llama-3.2-1b": LLAMA_3_2_1B,
+    "smollm2-135m": SMOLLM2_135M,
     # 2 layers, hidden 64, GQA 2:1, separate LM head, a vocabulary that is not a multiple of 32
     "tiny": {
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
