@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from reference.activation import silu_and_mul
@@ -284,6 +284,7 @@ def test_greedy_takes_the_first_of_tied_maxima():
 
 @given(seeds, st.integers(2, 300), st.floats(0.05, 3.0), st.integers(0, 20), st.floats(0.05, 1.0),
        st.floats(0.0, 0.5), st.floats(0.0, 1.0, exclude_max=True), st.booleans())
+@example(632671, 2, 0.0625, 0, 1.0, 0.0, 0.0, False)  # logits -0.97 and 10.5: the first's probability underflows
 def test_sampling_matches_a_ranked_definition(seed, vocab, temperature, top_k, top_p, min_p, u, ties):
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal(vocab) * 4).astype(np.float32)
@@ -294,7 +295,7 @@ def test_sampling_matches_a_ranked_definition(seed, vocab, temperature, top_k, t
     p = np.exp(z - z.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
-    keep = p >= min_p * p.max()
+    keep = (p >= min_p * p.max()) & (p > 0)  # a probability that underflowed to 0 cannot be drawn: not kept
     if 0 < top_k < vocab:
         keep &= p >= p[order[top_k - 1]]
     if top_p < 1:
