@@ -158,7 +158,7 @@ def test_default_model_shapes_give_the_cpu_reference_tokens(tmp_path_factory):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 10000, n).tolist() for n in (42, 7, 130)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    gpu = LLM(model, backend="cuda", num_kv_blocks=256)  # a small cache: gpu_llm holds 45% of the card
+    gpu = LLM(model, backend="cuda", num_kv_blocks=256)  # a small cache: this module's gpu_llm may hold 45%
     assert gpu.engine.runner.use_graphs and gpu.engine.config.hidden_size == SMOLLM2_135M["hidden_size"] == 576
     cpu = LLM(model, backend="cpu", num_kv_blocks=256)
     assert tokens(gpu.generate(prompts, params, use_tqdm=False)) == tokens(
