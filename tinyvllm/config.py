@@ -3,6 +3,14 @@
 Only the Llama family is supported: decoder-only, RMSNorm, rotary embeddings (optionally with Llama 3
 frequency scaling), grouped-query attention and a SiLU-gated MLP. Anything else is rejected with an error
 that names the field, before any weight is read.
+
+config.json comes in two layouts, and both are read:
+- the older one (as the Llama 3.2 repository ships it): top-level `rope_theta`, `rope_scaling` (null or an
+  object with `rope_type`), `torch_dtype`;
+- the one transformers 5 writes: `rope_parameters` = {"rope_type", "rope_theta", and the scaling fields},
+  `dtype`.
+A value the file states in one layout is never replaced by a default of the other; where a file states a
+value in both and they disagree, it is refused with an error naming both fields.
 """
 
 from __future__ import annotations
@@ -103,6 +111,9 @@ class ModelConfig:
             raise fail("attention_bias" if config.get("attention_bias") else "mlp_bias",
                        "is true; Llama projections without bias only")
 
+        rope_theta, rope_scaling = _rope(config, fail)
+        _one_value(config, ("torch_dtype", "dtype"), fail)
+
         generation = generation or {}
         bos = generation.get("bos_token_id", config.get("bos_token_id"))
         eos = generation.get("eos_token_id", config.get("eos_token_id"))
@@ -119,25 +130,70 @@ class ModelConfig:
             intermediate_size=positive_int("intermediate_size"),
             vocab_size=positive_int("vocab_size"),
             rms_norm_eps=positive_float("rms_norm_eps", 1e-6),
-            rope_theta=positive_float("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=positive_int("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            rope_scaling=_rope_scaling(config.get("rope_scaling"), fail),
+            rope_scaling=rope_scaling,
             bos_token_id=bos,
             eos_token_ids=eos_ids,
         )
 
 
-def _rope_scaling(raw, fail) -> RopeScaling | None:
+# HF's default theta when a config states none in either layout (LlamaConfig's own default)
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def _rope(config: dict, fail) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either layout; a value stated in both must agree."""
+    params = config.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise fail("rope_parameters", f"must be an object or null, got {params!r}")
+        if any(isinstance(v, dict) for v in params.values()):
+            raise fail("rope_parameters", f"holds per-layer-type settings {sorted(params)}; Llama has one RoPE")
+        partial = params.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise fail("rope_parameters.partial_rotary_factor", f"is {partial!r}; Llama rotates every dimension")
+
+    stated = {}  # field name as the file spells it -> value it gives for theta
+    if config.get("rope_theta") is not None:
+        stated["rope_theta"] = config["rope_theta"]
+    if params is not None and params.get("rope_theta") is not None:
+        stated["rope_parameters.rope_theta"] = params["rope_theta"]
+    for field, value in stated.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise fail(field, f"must be a positive number, got {value!r}")
+    thetas = {field: float(value) for field, value in stated.items()}
+    if len(set(thetas.values())) > 1:
+        raise fail(" and ".join(thetas), f"disagree: {thetas}")
+    theta = next(iter(thetas.values()), DEFAULT_ROPE_THETA)
+
+    scalings = {}
+    if "rope_scaling" in config:
+        scalings["rope_scaling"] = _rope_scaling(config["rope_scaling"], "rope_scaling", fail)
+    if params is not None:
+        scalings["rope_parameters"] = _rope_scaling(params, "rope_parameters", fail)
+    if len(set(scalings.values())) > 1:
+        raise fail(" and ".join(scalings), f"disagree: {scalings}")
+    return theta, next(iter(scalings.values()), None)
+
+
+def _rope_scaling(raw, field: str, fail) -> RopeScaling | None:
+    """The Llama 3 scaling an object of either layout describes (None for plain RoPE)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise fail("rope_scaling", f"must be an object or null, got {raw!r}")
-    kind = raw.get("rope_type", raw.get("type"))
+        raise fail(field, f"must be an object or null, got {raw!r}")
+    kind = raw.get("rope_type", raw.get("type"))  # older configs spell the key "type"
+    if kind is None:
+        # An object that only states theta is plain RoPE; one with scaling fields but no type is ambiguous.
+        if set(raw) - {"rope_theta", "partial_rotary_factor"}:
+            raise fail(field, f"states scaling fields but no 'rope_type': {raw!r}")
+        kind = "default"
     if kind == "default":
         return None
     if kind != "llama3":
-        raise fail("rope_scaling", f"has type {kind!r}; supported: 'llama3' (or none)")
+        raise fail(field, f"has type {kind!r}; supported: 'default' and 'llama3'")
     try:
         scaling = RopeScaling(
             factor=float(raw["factor"]),
@@ -146,11 +202,18 @@ def _rope_scaling(raw, fail) -> RopeScaling | None:
             original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
         )
     except KeyError as missing:
-        raise fail("rope_scaling", f"of type 'llama3' lacks {missing.args[0]!r}") from None
+        raise fail(field, f"of type 'llama3' lacks {missing.args[0]!r}") from None
     if not (scaling.factor >= 1 and scaling.high_freq_factor > scaling.low_freq_factor > 0
             and scaling.original_max_position_embeddings > 0):
-        raise fail("rope_scaling", f"has inconsistent values {raw!r}")
+        raise fail(field, f"has inconsistent values {raw!r}")
     return scaling
+
+
+def _one_value(config: dict, fields: tuple[str, ...], fail) -> None:
+    """Refuse a file that gives one setting different values under its old and new names."""
+    given = {f: config[f] for f in fields if config.get(f) is not None}
+    if len(set(map(str, given.values()))) > 1:
+        raise fail(" and ".join(given), f"disagree: {given}")
 
 
 def _read_json(path: Path, required: bool) -> dict | None:

