@@ -215,3 +215,21 @@ def test_abort_while_a_step_is_in_flight(tiny_model_dir, prompts):
     alone = LLM(tiny_model_dir, backend="cpu", block_size=4, async_scheduling=False)
     assert seen["2"][-1].outputs[0].token_ids == alone.generate([prompts[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_character_cut_by_max_tokens_is_held_back_from_the_text(tiny_model_dir):
+    """The tiny model's tokens 0-255 are bytes. Greedy from "Yes", it writes a 3-byte character's lead byte
+    and first continuation byte; max_tokens ending after either gives text without the partial character
+    (not a trailing U+FFFD), while token_ids still hold every token, on both the generate and stream paths."""
+    llm = LLM(tiny_model_dir, backend="cpu")
+    run = llm.generate("Yes", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    ids = run.outputs[0].token_ids
+    lead = next(i for i in range(len(ids) - 1) if 0xE0 <= ids[i] <= 0xEF and 0x80 <= ids[i + 1] <= 0xBF)
+    whole = llm.tokenizer.decode(ids[:lead])
+    assert whole and not whole.endswith("\ufffd")     # the text before the cut character ends whole
+    for cut in (lead + 1, lead + 2):                  # after 1 and after 2 of the character's 3 bytes
+        params = SamplingParams(temperature=0, max_tokens=cut, ignore_eos=True)
+        assert llm.tokenizer.decode(ids[:cut]) == whole + "\ufffd"  # what the text was before the fix
+        out = llm.generate("Yes", params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ids[:cut] and out.text == whole
+        assert "".join(llm.stream("Yes", params)) == whole

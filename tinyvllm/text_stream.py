@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from tinyvllm.tokenizer import IncrementalDetokenizer
 
+# What a decode shows for bytes that are not (yet) a whole UTF-8 character.
+INCOMPLETE = "\ufffd"
+
 
 class TextStream:
     """Feeds token ids through an incremental detokenizer and watches for stop strings."""
@@ -33,8 +36,15 @@ class TextStream:
         return self._release(self._detok.push(token_id), final=False)
 
     def finish(self) -> str:
-        """Whatever was held back, at the end of generation."""
-        return self._release(self._detok.flush(), final=True)
+        """Whatever was held back, at the end of generation, less an incomplete UTF-8 character at its end.
+
+        A generation cut short (max_tokens, a stop token) may end inside a multi-byte character, which the
+        decode shows as U+FFFD. As while streaming (text ending in U+FFFD is held until it does not), that
+        tail is never released: the text ends at the last whole character; the token ids keep every token.
+        NOTE: the decoded text cannot tell an incomplete character from invalid bytes or a real U+FFFD, so
+        any U+FFFD run at the very end is dropped (vLLM never releases such a tail either).
+        """
+        return self._release(self._detok.flush().rstrip(INCOMPLETE), final=True)
 
     def _release(self, piece: str, final: bool) -> str:
         if self.stopped:
