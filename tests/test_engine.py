@@ -233,3 +233,17 @@ def test_a_character_cut_by_max_tokens_is_held_back_from_the_text(tiny_model_dir
         out = llm.generate("Yes", params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == ids[:cut] and out.text == whole
         assert "".join(llm.stream("Yes", params)) == whole
+
+
+def test_progress_bar_into_a_file_or_pipe_is_not_redrawn_every_step(tiny_model_dir, capsys, monkeypatch):
+    """capsys's stderr is no terminal, as a log file or a pipe: the bar is drawn when it starts and when it
+    closes, not once per engine step (tqdm writes each redraw after a carriage return)."""
+    llm = LLM(tiny_model_dir, backend="cpu")
+    steps = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: steps.append(1) or step())
+    monkeypatch.setattr("tinyvllm.llm.LOG_REDRAW_INTERVAL", 3600.0)   # a slow machine must not reach it
+    outs = llm.generate([[1, 2, 3]] * 8, GREEDY)
+    err = capsys.readouterr().err
+    assert len(outs) == 8 and len(steps) >= GREEDY.max_tokens     # a redraw per step would be a dozen or more
+    assert err.count("\r") == 2 and "8/8" in err.split("\r")[-1] and "tok/s" in err.split("\r")[-1]

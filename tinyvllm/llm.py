@@ -14,11 +14,33 @@ chat template). `chat()` takes one conversation.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Iterator, Sequence
 
 from tinyvllm.engine import LLMEngine, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+
+
+# Seconds between progress-bar redraws into a file or a pipe, where each redraw stays (a terminal overwrites
+# the bar in place and gets tqdm's usual 0.1 s).
+LOG_REDRAW_INTERVAL = 5.0
+
+
+def _progress_bar(total: int):
+    """A tqdm bar on stderr that redraws at most every LOG_REDRAW_INTERVAL seconds when stderr is no terminal."""
+    from tqdm import tqdm
+
+    interval = 0.1 if sys.stderr.isatty() else LOG_REDRAW_INTERVAL
+    return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True, mininterval=interval,
+                file=sys.stderr)
+
+
+def _show_rate(bar, tokens_per_s: float) -> None:
+    """The output tokens/s in the bar, redrawn only when the bar's last redraw is older than its mininterval
+    (set_postfix_str redraws at once, which was a redraw per engine step)."""
+    due = time.time() - bar.last_print_t >= bar.mininterval   # tqdm's own clock and redraw time
+    bar.set_postfix_str(f"{tokens_per_s:.0f} tok/s", refresh=due)
 
 
 def _is_single_prompt(prompts) -> bool:
@@ -51,9 +73,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(prompts) > 1:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(prompts), desc="generating", unit="req", dynamic_ncols=True)
+            bar = _progress_bar(len(prompts))
         start, tokens_before = time.perf_counter(), self.engine.num_generated_tokens
         try:
             while self.engine.has_unfinished_requests():
@@ -64,7 +84,7 @@ class LLM:
                             bar.update(1)
                 if bar is not None:
                     new_tokens = self.engine.num_generated_tokens - tokens_before
-                    bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} tok/s")
+                    _show_rate(bar, new_tokens / max(time.perf_counter() - start, 1e-9))
         finally:
             if bar is not None:
                 bar.close()
