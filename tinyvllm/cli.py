@@ -1,4 +1,5 @@
-"""The `tinyvllm` command line: `generate` (one prompt, streamed) and `chat` (interactive, multi-turn)."""
+"""The `tinyvllm` command line: `generate` (one prompt, streamed), `chat` (interactive, multi-turn) and `serve`
+(an OpenAI-compatible HTTP server, in tinyvllm/server/)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ Type a message and press Enter; the reply streams back. /reset starts a new conv
 Ctrl-D) quits."""
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", type=Path,
                    help="model directory in Hugging Face layout (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
@@ -42,6 +43,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (default): matmul inputs exact; bf16: rounded to bf16 first, as vLLM does (faster "
                         "tensor-core GEMMs)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The engine's options and one request's sampling options (generate, chat)."""
+    _add_engine_options(p)
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 is greedy, the default, so answers are reproducible")
@@ -73,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                                epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_options(chat)
     chat.set_defaults(run=run_chat)
+    from tinyvllm.server.options import SERVE_EPILOG, add_server_options
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+                                description="Serve the model over HTTP with the OpenAI API (/v1/chat/completions, "
+                                            "/v1/completions, /v1/models), /health and /metrics.",
+                                epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_engine_options(serve)
+    add_server_options(serve)
+    serve.set_defaults(run=run_serve)
     return parser
 
 
@@ -193,3 +208,18 @@ def run_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
         if interactive:
             _summary(llm, final)
+
+
+def run_serve(args) -> int:
+    from tinyvllm.server.options import server_option_error
+
+    problem = server_option_error(args)
+    if problem is not None:
+        raise UserFacingError(problem)
+    try:
+        from tinyvllm.server.launch import serve
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("fastapi", "starlette", "uvicorn", "pydantic"):
+            raise
+        raise UserFacingError(f"tinyvllm serve needs {exc.name}: pip install 'tinyvllm[serve]'") from None
+    return serve(_load(args).engine, args)

@@ -1,0 +1,15 @@
+"""`tinyvllm serve`: an OpenAI-compatible HTTP server on the LLMEngine (FastAPI + uvicorn + pydantic).
+
+    protocol.py     the request bodies (OpenAI's fields plus vLLM's sampling extras) and the error body
+    sampling.py     a request's fields as SamplingParams; a field the engine does not have yet is refused
+    prompts.py      prompts to token ids, with the length checks done before the engine sees them
+    engine_loop.py  the thread that owns the engine and steps it; handlers get outputs through asyncio queues
+    serving.py      the two generation endpoints: one JSON response, or server-sent events
+    middleware.py   API key and request-size limit, before any body is parsed
+    metrics.py      Prometheus text for /metrics
+    app.py          the FastAPI application: routes and error handlers
+    options.py      `tinyvllm serve`'s command-line options
+    launch.py       uvicorn, with a graceful stop on SIGTERM
+
+Nothing here is imported by the engine; this package needs the `serve` extra (pip install -e '.[serve]').
+"""

@@ -1,0 +1,243 @@
+"""The engine loop: one thread owns the LLMEngine and steps it; HTTP handlers talk to it through queues.
+
+A step runs the model (NumPy on the CPU; kernel launches and a device sync on the GPU). On the event loop it
+would stall every connection for its duration, so it runs in a thread of its own, and nothing else touches the
+engine. Handlers post commands (add, abort) to a thread-safe queue, which the thread applies between steps;
+each request's outputs come back through its own asyncio.Queue, filled with one call_soon_threadsafe per step.
+
+A request whose handler goes away (the client hung up) is aborted before the next step, which frees its KV
+blocks. If a step raises, the loop stops: every request in flight gets the error, /health reports it, and new
+requests are refused, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from tinyvllm.engine import LLMEngine, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.server.metrics import Metrics
+from tinyvllm.server.protocol import APIError
+
+log = logging.getLogger("tinyvllm.server")
+
+
+class ServerBusy(APIError):
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(503, message, type="server_error", code="server_busy",
+                         headers={"Retry-After": str(retry_after)})
+
+
+class EngineFailed(APIError):
+    def __init__(self, cause: BaseException):
+        super().__init__(503, f"the engine failed and stopped: {type(cause).__name__}: {cause}",
+                         type="server_error", code="engine_failed")
+
+
+class RequestAborted(Exception):
+    """The server stopped the request (shutdown deadline); the client gets a last event saying so."""
+
+
+class RequestStream:
+    """One submitted request, seen from its handler: iterate `outputs()`, and always `close()` it (in a
+    finally): closing before the last output aborts the request in the engine, which frees its KV blocks."""
+
+    def __init__(self, owner: "EngineLoop", request_id: str):
+        self._owner = owner
+        self.request_id = request_id
+        self._queue: asyncio.Queue = owner._streams[request_id]
+        self._open = True
+        self.finished = False
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The outputs as the engine produces them (with final_only, just the last one). Each is cumulative,
+        so when the consumer falls behind only the newest is handed over."""
+        while not self.finished:
+            item = await self._queue.get()
+            while not isinstance(item, BaseException) and not self._queue.empty():
+                item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._owner._release(self.request_id, abort=not self.finished)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    final_only: bool
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Runs `engine` in a thread; `submit` hands it a request and returns the request's RequestStream.
+
+    At most `max_num_seqs + max_waiting_requests` requests are held at once (running or waiting); beyond that
+    `submit` raises ServerBusy (503 with Retry-After) instead of queueing without bound.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_waiting_requests: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_requests = engine.options.max_num_seqs + max_waiting_requests
+        self.error: BaseException | None = None
+        self.accepting = True
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}   # event-loop side: requests whose handler listens
+        self._live: dict[str, float] = {}              # engine-thread side: request id -> arrival time
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- life cycle (event loop) ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the thread after the step it is in; requests still held get RequestAborted."""
+        self.accepting = False
+        self.abort_all()
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    def drain(self, timeout: float) -> None:
+        """Stop accepting requests; those in flight have `timeout` seconds to finish, then are aborted. Safe
+        to call from a signal handler or another thread: the work is done on the event loop."""
+        self._loop.call_soon_threadsafe(self._drain, timeout)
+
+    def _drain(self, timeout: float) -> None:
+        self.accepting = False
+        self._loop.call_later(timeout, self.abort_all)
+
+    def abort_all(self) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(RequestAborted())
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> tuple[int, int, float]:
+        """Requests running and waiting, and the KV cache's used fraction: a snapshot read across threads
+        (lengths of the scheduler's lists), good for a gauge."""
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        waiting = len(scheduler.waiting) + self._commands.qsize()
+        return len(scheduler.running), waiting, 1.0 - blocks.num_free_blocks / blocks.num_blocks
+
+    # -- one request (event loop) -----------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, final_only: bool,
+               arrival: float) -> "RequestStream":
+        """Queue a request, or refuse it at once (503 when full or shutting down, 500 after an engine failure),
+        before any response has started."""
+        if self.error is not None:
+            raise EngineFailed(self.error)
+        if not self.accepting:
+            raise ServerBusy("the server is shutting down")
+        if len(self._streams) >= self.max_requests:
+            self.metrics.request_rejected()
+            raise ServerBusy(f"the server holds {len(self._streams)} requests, its limit: retry later")
+        request_id = str(next(self._ids))
+        self._streams[request_id] = asyncio.Queue()
+        self._commands.put(_Add(request_id, prompt_ids, params, final_only, arrival))
+        return RequestStream(self, request_id)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        del self._streams[request_id]
+        if abort:
+            self._commands.put(_Abort(request_id))
+
+    # -- the engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    before = self.engine.num_generated_tokens
+                    outputs = self.engine.step()
+                    self.metrics.tokens_generated(self.engine.num_generated_tokens - before)
+                    self._account(outputs)
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except Exception as exc:  # the engine is in an unknown state: stop, and tell everyone
+            log.exception("the engine failed; the server stops serving requests")
+            self._loop.call_soon_threadsafe(self._fail, exc)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply the queued commands (waiting for one when idle); False on stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif command.request_id in self._live:
+                self.engine.abort(command.request_id)  # frees its KV blocks now
+                self._live.pop(command.request_id)
+                self.metrics.request_finished("abort", 0.0, None, None, 0, time.perf_counter())
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.prompt_ids, command.params, command.request_id, command.final_only)
+        except ValueError as exc:  # RequestError and the like: this request's fault, not the engine's
+            self._loop.call_soon_threadsafe(self._deliver_error, command.request_id, APIError(400, str(exc)))
+            return
+        self._live[command.request_id] = command.arrival
+        self.metrics.request_added(len(command.prompt_ids))
+
+    def _account(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.finished and out.request_id in self._live:
+                arrival = self._live.pop(out.request_id)
+                m = out.metrics
+                num_tokens = max(len(c.token_ids) for c in out.outputs)
+                self.metrics.request_finished(out.outputs[0].finish_reason, arrival, m.get("first_token_time"),
+                                              m.get("last_token_time"), num_tokens, now)
+
+    # -- back on the event loop -----------------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # else its handler is gone and its abort is on the way
+                stream.put_nowait(out)
+
+    def _deliver_error(self, request_id: str, error: Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(error)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        for stream in self._streams.values():
+            stream.put_nowait(EngineFailed(exc))

@@ -1,0 +1,186 @@
+"""The two generation endpoints: a request body in, one JSON response or server-sent events out.
+
+/v1/chat/completions and /v1/completions differ only in how a prompt is made (chat template or raw text /
+token ids) and in the shape of a choice (a message or a delta, or plain text); `ChatFormat` and
+`CompletionFormat` hold those differences and everything else is shared.
+
+Streaming: each engine output is cumulative, so a chunk carries the text added since the last one. The stream
+ends with each choice's finish_reason ("stop", "length", or "abort" when the server stopped the request),
+then a usage chunk when stream_options.include_usage asks for it, then `data: [DONE]`. An error after the
+response has started comes as one `data: {"error": ...}` event before [DONE].
+
+A client that disconnects is noticed while its request waits or runs, and the request is aborted (its KV
+blocks freed before the next step): streams through Starlette's disconnect listener, which cancels the
+body iterator; non-streaming requests by racing the wait against the connection's http.disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tinyvllm.engine import RequestOutput
+from tinyvllm.server.engine_loop import EngineLoop, RequestAborted, RequestStream
+from tinyvllm.server.prompts import PromptEncoder
+from tinyvllm.server.protocol import APIError, ChatCompletionRequest, GenerationRequest
+from tinyvllm.server.sampling import to_sampling_params
+
+
+@dataclass
+class ServerContext:
+    engine_loop: EngineLoop
+    encoder: PromptEncoder
+    model_name: str
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    @staticmethod
+    def delta(index: int, text: str | None, finish_reason: str | None) -> dict:
+        return {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    @staticmethod
+    def opening(index: int) -> dict | None:
+        """The first chunk says who speaks, for each choice (OpenAI's streams do)."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+
+class CompletionFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def delta(index: int, text: str | None, finish_reason: str | None) -> dict:
+        return CompletionFormat.choice(index, text or "", finish_reason)
+
+    @staticmethod
+    def opening(index: int) -> dict | None:
+        return None
+
+
+async def generate(http_request: Request, request: GenerationRequest, ctx: ServerContext) -> Response:
+    """Answer one generation request; raises APIError for what the client got wrong."""
+    arrival = time.perf_counter()
+    if request.model != ctx.model_name:
+        raise APIError(404, f"the model {request.model!r} does not exist: this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    chat = isinstance(request, ChatCompletionRequest)
+    fmt = ChatFormat if chat else CompletionFormat
+    if chat:
+        messages = [m.template_message() for m in request.messages]
+        prompt_ids = await asyncio.to_thread(ctx.encoder.chat, messages)
+    else:
+        prompt_ids = await asyncio.to_thread(ctx.encoder.completion, request.single_prompt())
+    field, requested = request.max_tokens_field
+    params = to_sampling_params(request, ctx.encoder.max_tokens(prompt_ids, requested, field), field)
+    stream = ctx.engine_loop.submit(prompt_ids, params, final_only=not request.stream, arrival=arrival)
+    head = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    if request.stream:
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        num_choices = getattr(params, "n", 1)  # SamplingParams has no n yet: one choice
+        events = _events(stream, fmt, head, num_choices, len(prompt_ids), include_usage)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        final = await _unless_disconnected(http_request, _last_output(stream))
+    finally:
+        stream.close()
+    if final is None:
+        return Response(status_code=499)  # the client has gone: nobody reads this
+    choices = [fmt.choice(c.index, c.text, c.finish_reason) for c in final.outputs]
+    return JSONResponse({**head, "object": fmt.object, "choices": choices, "usage": usage(final)})
+
+
+def usage(out: RequestOutput | None, num_prompt_tokens: int = 0) -> dict:
+    """OpenAI's usage block; `out` None (nothing generated yet) counts the prompt only."""
+    prompt = len(out.prompt_token_ids) if out is not None else num_prompt_tokens
+    completion = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
+    cached = out.num_cached_tokens if out is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for final in stream.outputs():
+        pass
+    return final
+
+
+async def _unless_disconnected(http_request: Request, work) -> object | None:
+    """Run `work` unless the client disconnects first (then cancel it and return None)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(http_request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def _disconnected(http_request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect, whenever it comes.
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, num_prompt_tokens: int,
+                  include_usage: bool) -> AsyncIterator[str]:
+    chunk = {**head, "object": fmt.chunk_object}
+    extra = {"usage": None} if include_usage else {}
+    sent: dict[int, int] = {}        # choice index -> characters sent
+    last: RequestOutput | None = None
+    try:
+        openings = [fmt.opening(i) for i in range(num_choices)]
+        if openings[0] is not None:
+            yield _sse({**chunk, "choices": openings, **extra})
+        try:
+            async for last in stream.outputs():
+                choices = []
+                for c in last.outputs:
+                    text = c.text[sent.get(c.index, 0):]
+                    sent[c.index] = len(c.text)
+                    if text or c.finish_reason is not None:
+                        choices.append(fmt.delta(c.index, text, c.finish_reason))
+                if choices:
+                    yield _sse({**chunk, "choices": choices, **extra})
+        except RequestAborted:
+            yield _sse({**chunk, "choices": [fmt.delta(i, None, "abort") for i in range(num_choices)], **extra})
+        except APIError as exc:
+            yield _sse(exc.body())
+        if include_usage:
+            yield _sse({**chunk, "choices": [], "usage": usage(last, num_prompt_tokens)})
+        yield _sse("[DONE]")
+    finally:
+        stream.close()
