@@ -54,7 +54,8 @@ def serve(engine: LLMEngine, args) -> int:
     # uvicorn's own bound on the graceful stop: past ours, leaving time for the last events to be written
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    print(f"tinyvllm: serving {name!r} with the {engine.runner.name} backend at http://{args.host}:{args.port}/v1"
-          + (" (API key required)" if api_key else ""), file=sys.stderr)
+    # uvicorn says where it listens (the port it got, when --port is 0)
+    print(f"tinyvllm: serving {name!r} with the {engine.runner.name} backend: the OpenAI API under /v1"
+          + (", API key required" if api_key else ""), file=sys.stderr)
     GracefulServer(config, app.state.engine_loop, args.shutdown_timeout).run()
     return 0

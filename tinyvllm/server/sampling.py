@@ -6,7 +6,9 @@ with no change here. Until then a request that sets it to anything but its neutr
 of 0, a repetition_penalty of 1, an empty logit_bias) gets a 400 naming the field: answering as if it had
 been applied would be wrong output without a word.
 
-Range checks are SamplingParams' own; its errors are re-worded with the field name the client used.
+Range checks are SamplingParams' own; its errors are re-worded with the field name the client used. The
+server adds the checks that depend on the model (token ids within the vocabulary, n within max_num_seqs) and
+keeps top_k within the vocabulary (any top_k >= the vocabulary size keeps every token: it means "off").
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ def supported_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def requested_values(request: GenerationRequest) -> dict[str, tuple[str, object]]:
+def requested_values(request: GenerationRequest, vocab_size: int) -> dict[str, tuple[str, object]]:
     """SamplingParams field -> (the request's field name, value), for each field the request sets."""
     values = {name: (name, getattr(request, name)) for name in SAME_NAME if getattr(request, name) is not None}
+    if request.top_k is not None and request.top_k > vocab_size:
+        values["top_k"] = ("top_k", vocab_size)  # the same distribution, in the engine's int32
     if request.logit_bias is not None:
-        values["logit_bias"] = ("logit_bias", _token_bias(request.logit_bias))
+        values["logit_bias"] = ("logit_bias", _token_bias(request.logit_bias, vocab_size))
     if isinstance(request, ChatCompletionRequest):
         if request.logprobs:
             # chat: logprobs=true asks for the sampled token's, top_logprobs for that many alternatives
@@ -49,10 +53,14 @@ def requested_values(request: GenerationRequest) -> dict[str, tuple[str, object]
     return values
 
 
-def to_sampling_params(request: GenerationRequest, max_tokens: int, max_tokens_field: str) -> SamplingParams:
-    values = requested_values(request)
+def to_sampling_params(request: GenerationRequest, max_tokens: int, max_tokens_field: str, vocab_size: int,
+                       max_n: int) -> SamplingParams:
+    """The request's SamplingParams; `max_tokens` is already resolved against the context (prompts.py)."""
+    values = requested_values(request, vocab_size)
     if "seed" in values and not 0 <= request.seed <= MAX_SEED:
         raise APIError(400, f"seed must be in [0, {MAX_SEED}], got {request.seed}", param="seed")
+    if request.n is not None and request.n > max_n:
+        raise APIError(400, f"n must be at most {max_n} (the server's max_num_seqs), got {request.n}", param="n")
     supported = supported_fields()
     kwargs = {"max_tokens": max_tokens}
     names = {"max_tokens": max_tokens_field}
@@ -70,12 +78,13 @@ def to_sampling_params(request: GenerationRequest, max_tokens: int, max_tokens_f
         raise _reworded(exc, names) from None
 
 
-def _token_bias(bias: dict[str, float]) -> dict[int, float]:
+def _token_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     """logit_bias comes keyed by token ids written as strings (JSON keys); SamplingParams keys by int."""
     out = {}
     for key, value in bias.items():
-        if not re.fullmatch(r"\d{1,10}", key):
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not (re.fullmatch(r"\d{1,10}", key) and int(key) < vocab_size):
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                           param="logit_bias")
         out[int(key)] = value
     return out
 
