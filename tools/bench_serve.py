@@ -1,0 +1,176 @@
+"""Load a running OpenAI-compatible server and measure it as vLLM's serving benchmark does.
+
+    tinyvllm serve --model DIR &                       # or any OpenAI-compatible server
+    python tools/bench_serve.py --num-prompts 200 --max-concurrency 32
+    python tools/bench_serve.py --num-prompts 200 --request-rate 4 --json out.json
+
+Requests are streamed (server-sent events) completions of synthetic prompts: `--input-words` random words, and
+exactly `--output-len` tokens (ignore_eos, as vLLM's random dataset does), so every run asks the same work.
+They arrive all at once (the default) or as a Poisson process at --request-rate per second; at most
+--max-concurrency are in flight, so `--max-concurrency N` alone is N clients sending back to back.
+
+Reported: request throughput, output tokens/s, and p50 / p90 / p99 of
+- TTFT, time to first token: from sending the request to its first text chunk (or its last chunk, for an
+  answer with no text);
+- TPOT, time per output token: (latency - TTFT) / (output tokens - 1), per request;
+- ITL, inter-token latency: the gaps between successive chunks (a chunk may carry more than one token when the
+  client falls behind the server, so this is per chunk);
+- E2E, the whole request.
+Token counts are the server's own (stream_options.include_usage). Needs httpx (in tinyvllm's test extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "number group problem fact model token cache block batch kernel memory queue server stream").split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def make_prompts(n: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+
+
+async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> Result:
+    start = time.perf_counter()
+    chunks: list[float] = []
+    usage = None
+    try:
+        async with http.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                return Result(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return Result(False, error=event["error"]["message"])
+                if event.get("usage"):
+                    usage = event["usage"]
+                # a chunk with text, or the last one (a random model's answer may decode to no text at all)
+                if any(c.get("text") or c.get("finish_reason") for c in event.get("choices", ())):
+                    chunks.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        return Result(False, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    if not chunks or usage is None:
+        return Result(False, error="no choices or no usage in the stream")
+    return Result(True, ttft=chunks[0] - start, latency=end - start, prompt_tokens=usage["prompt_tokens"],
+                  output_tokens=usage["completion_tokens"], itl=list(np.diff(chunks)))
+
+
+async def run(args) -> dict:
+    base = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None), limits=limits) as http:
+        model = args.model or (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
+        bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 0,
+                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
+        gate = asyncio.Semaphore(args.max_concurrency)
+        arrivals = np.random.default_rng(args.seed)
+
+        async def gated(body):
+            async with gate:
+                return await one_request(http, f"{base}/v1/completions", body)
+
+        start = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(gated(body)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(arrivals.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, model, args)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[Result], duration: float, model: str, args) -> dict:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "model": model, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "input_words": args.input_words, "output_len": args.output_len, "duration_s": duration,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "tpot_ms": percentiles([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "itl_ms": percentiles([gap for r in ok for gap in r.itl]),
+        "e2e_ms": percentiles([r.latency for r in ok]),
+    }
+
+
+def report(s: dict) -> str:
+    lines = [f"model {s['model']}: {s['completed']}/{s['num_prompts']} requests completed in {s['duration_s']:.2f} s "
+             f"(rate {s['request_rate']}/s, max concurrency {s['max_concurrency']})",
+             f"prompt tokens {s['prompt_tokens']}, output tokens {s['output_tokens']}",
+             f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:.1f} tok/s",
+             f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        p = s[f"{name}_ms"]
+        cells = "".join(f"{p[k]:>10.2f}" if p[k] is not None else f"{'-':>10}" for k in ("mean", "p50", "p90", "p99"))
+        lines.append(f"{name.upper():<6}{cells}")
+    if s["failed"]:
+        lines.append(f"{s['failed']} failed, e.g.: " + "; ".join(s["errors"]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--input-words", type=int, default=64, help="random words per prompt (default 64)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=64, help="most requests in flight (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_concurrency < 1 or args.output_len < 1 or args.request_rate <= 0:
+        p.error("--num-prompts, --max-concurrency, --output-len and --request-rate must be positive")
+    summary = asyncio.run(run(args))
+    print(report(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
