@@ -128,6 +128,8 @@ class CompletionRequest(GenerationRequest):
             raise APIError(400, "echo is not supported by this server yet", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server (no insertion models)", param="suffix")
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs come with non-streaming requests only", param="prompt_logprobs")
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tinyvllm.engine import RequestOutput
 from tinyvllm.server.engine_loop import EngineLoop, RequestAborted, RequestStream
+from tinyvllm.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tinyvllm.server.prompts import PromptEncoder
 from tinyvllm.server.protocol import APIError, ChatCompletionRequest, GenerationRequest
 from tinyvllm.server.sampling import to_sampling_params
@@ -46,13 +47,13 @@ class ChatFormat:
     id_prefix = "chatcmpl-"
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     @staticmethod
-    def delta(index: int, text: str | None, finish_reason: str | None) -> dict:
-        return {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": None,
+    def delta(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     @staticmethod
@@ -68,16 +69,41 @@ class CompletionFormat:
     id_prefix = "cmpl-"
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
-    def delta(index: int, text: str | None, finish_reason: str | None) -> dict:
-        return CompletionFormat.choice(index, text or "", finish_reason)
+    def delta(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return CompletionFormat.choice(index, text or "", finish_reason, logprobs)
 
     @staticmethod
     def opening(index: int) -> dict | None:
         return None
+
+
+class LogprobWindow:
+    """The logprobs of one choice's tokens [start, end) in the format's shape; None when none were asked for.
+    Streams send each token's logprobs once, with the chunk after which it was read back."""
+
+    def __init__(self, fmt, num_top: int | None):
+        self.fmt = fmt
+        self.num_top = num_top
+        self.sent: dict[int, int] = {}         # choice index -> tokens whose logprobs were sent
+        self.offset: dict[int, int] = {}       # choice index -> characters of those tokens' texts
+
+    def next(self, c) -> dict | None:
+        if self.num_top is None or c.logprobs is None:
+            return None
+        start, end = self.sent.get(c.index, 0), len(c.token_ids)
+        if start == end:
+            return None
+        self.sent[c.index] = end
+        if self.fmt is ChatFormat:
+            return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], self.num_top)
+        window = completion_logprobs(c.token_ids[start:end], c.logprobs[start:end], self.num_top,
+                                     self.offset.get(c.index, 0))
+        self.offset[c.index] = window["text_offset"][-1] + len(window["tokens"][-1])
+        return window
 
 
 async def generate(http_request: Request, request: GenerationRequest, ctx: ServerContext) -> Response:
@@ -101,8 +127,9 @@ async def generate(http_request: Request, request: GenerationRequest, ctx: Serve
     head = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     if request.stream:
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        num_choices = getattr(params, "n", 1)  # SamplingParams has no n yet: one choice
-        events = _events(stream, fmt, head, num_choices, len(prompt_ids), include_usage)
+        num_choices = getattr(params, "n", 1)  # an engine without n: one choice
+        window = LogprobWindow(fmt, getattr(params, "logprobs", None))
+        events = _events(stream, fmt, head, num_choices, window, len(prompt_ids), include_usage)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -111,7 +138,11 @@ async def generate(http_request: Request, request: GenerationRequest, ctx: Serve
         stream.close()
     if final is None:
         return Response(status_code=499)  # the client has gone: nobody reads this
-    choices = [fmt.choice(c.index, c.text, c.finish_reason) for c in final.outputs]
+    window = LogprobWindow(fmt, getattr(params, "logprobs", None))
+    choices = [fmt.choice(c.index, c.text, c.finish_reason, window.next(c)) for c in final.outputs]
+    if getattr(params, "prompt_logprobs", None) is not None:  # vLLM's extra, on completions
+        for choice in choices:
+            choice["prompt_logprobs"] = prompt_logprobs(final.prompt_logprobs)
     return JSONResponse({**head, "object": fmt.object, "choices": choices, "usage": usage(final)})
 
 
@@ -157,11 +188,12 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, num_prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, window: LogprobWindow,
+                  num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
     chunk = {**head, "object": fmt.chunk_object}
     extra = {"usage": None} if include_usage else {}
     sent: dict[int, int] = {}        # choice index -> characters sent
+    done: set[int] = set()           # choices whose finish_reason was sent
     last: RequestOutput | None = None
     try:
         openings = [fmt.opening(i) for i in range(num_choices)]
@@ -171,14 +203,20 @@ async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, num_
             async for last in stream.outputs():
                 choices = []
                 for c in last.outputs:
+                    if c.index in done:
+                        continue
                     text = c.text[sent.get(c.index, 0):]
                     sent[c.index] = len(c.text)
-                    if text or c.finish_reason is not None:
-                        choices.append(fmt.delta(c.index, text, c.finish_reason))
+                    logprobs = window.next(c)
+                    if c.finish_reason is not None:
+                        done.add(c.index)
+                    if text or logprobs or c.finish_reason is not None:
+                        choices.append(fmt.delta(c.index, text, c.finish_reason, logprobs))
                 if choices:
                     yield _sse({**chunk, "choices": choices, **extra})
         except RequestAborted:
-            yield _sse({**chunk, "choices": [fmt.delta(i, None, "abort") for i in range(num_choices)], **extra})
+            aborted = [fmt.delta(i, None, "abort", None) for i in range(num_choices) if i not in done]
+            yield _sse({**chunk, "choices": aborted, **extra})
         except APIError as exc:
             yield _sse(exc.body())
         if include_usage:
