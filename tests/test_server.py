@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -368,11 +369,15 @@ def test_an_engine_failure_fails_requests_and_health(tiny_model_dir):
 
 def test_draining_aborts_requests_in_flight_with_a_last_event(slow_served):
     url, engine, app = slow_served
-    with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        app.state.engine_loop.drain(0.05)
-        events = [line for line in lines if line]
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=LONG)  # not streamed
+            wait_until(lambda: metric(url, "tinyvllm:num_requests_waiting") == 1, what="the second request")
+            app.state.engine_loop.drain(0.05)
+            events = [line for line in lines if line]
+        assert waiting.result().status_code == 503 and waiting.result().json()["error"]["code"] == "aborted"
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     wait_until(lambda: engine.block_manager.num_free_blocks == engine.block_manager.num_blocks,

@@ -41,8 +41,13 @@ class EngineFailed(APIError):
                          type="server_error", code="engine_failed")
 
 
-class RequestAborted(Exception):
-    """The server stopped the request (shutdown deadline); the client gets a last event saying so."""
+class RequestAborted(APIError):
+    """The server stopped the request (the shutdown deadline passed): a stream gets a last event with
+    finish_reason "abort", a non-streaming request this 503."""
+
+    def __init__(self):
+        super().__init__(503, "the server shut down before this request finished", type="server_error",
+                         code="aborted")
 
 
 class RequestStream:
