@@ -30,6 +30,18 @@ kt waits until slab kt has landed (cp.async.wait_group STAGES - 2, then a block 
 every warp is done with slab kt - 1), issues slab kt + STAGES - 1 into the buffer slab kt - 1 used, and
 multiplies slab kt. One barrier per slab.
 
+Split K (``splits`` > 1, grid z = splits): for a skinny M the tiles alone are too few blocks to stream a
+weight from every SM, so block z of a tile multiplies only its share of the slabs, ceil(slabs / splits)
+consecutive ones. Each block stores its accumulators in a partials workspace (thread-major, so the stores
+coalesce), fences, and counts itself in by an atomic add on its tile's counter; the block that counts last
+resets the counter (for the next launch), adds the splits' partials in split order 0, 1, ... (so the sum does
+not depend on which block came last: the result is deterministic) and runs the epilogue. The partials are
+read through L2 (primitives.load_l2): other SMs wrote them.
+
+Programmatic dependent launch: the weight chunks of the first STAGES - 1 slabs are issued before
+pdl.grid_wait (weights are never written), so they are in flight while the kernel before finishes; x's chunks
+and everything else come after the wait.
+
 Tails: rows >= M or N and k >= K are copied as zeros (cp.async with a source size of 0); outputs are stored
 inside (M, N) only.
 
@@ -55,7 +67,8 @@ one ldmatrix matrix reads fall in 8 different 16-byte bank groups (row stride 80
 Versions (continuing matmul.py's list): 6. this kernel, for prefill and large batches on the GPU (matmul
 sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest); its gated
 epilogue (matmul.gated_matmul) replaced gemm + activation.silu_and_mul there, and its planes output the
-conversion of the MLP's activation (matmul.mlp).
+conversion of the MLP's activation (matmul.mlp). 7. the same kernel with K split over blocks and skinny
+tiles (skinny_plan), for decode batches between gemv's rows and SKINNY_MAX_M (given a split workspace).
 """
 
 from __future__ import annotations
@@ -67,13 +80,14 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels.activation import silu
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
-from cuda_kernels.primitives import WARP, f32_to_bf16
+from cuda_kernels import pdl
+from cuda_kernels.primitives import WARP, f32_to_bf16, load_l2
 
 
 class PipelinedTile(NamedTuple):
@@ -105,6 +119,17 @@ CANDIDATES = (PipelinedTile(128, 128, 32, 64, 32, 4), PipelinedTile(128, 128, 32
               PipelinedTile(64, 128, 32, 32, 32, 4), PipelinedTile(128, 256, 32, 64, 64, 3))
 # The simulator's tile: 2 warps of 16 x 16, two k-steps a slab, three stages (every code path, 64 threads).
 SIM_TILE = PipelinedTile(16, 32, 32, 16, 16, 3)
+
+# Skinny M (decode batches above gemv's rows, short prefill chunks): the whole of M in one block row (BM = M
+# rounded up to 16, 32, 64 or 128), 128 weight rows a block, 64-deep slabs, and K split over enough blocks
+# that the grid covers the SMs as often as they hold blocks (skinny_plan). The weight is the traffic here:
+# each block streams its BN x K / splits share of it, STAGES - 1 slabs ahead.
+SKINNY_TILES = {16: PipelinedTile(16, 128, 64, 16, 32, 4), 32: PipelinedTile(32, 128, 64, 32, 32, 4),
+                64: PipelinedTile(64, 128, 64, 32, 32, 4), 128: PipelinedTile(128, 128, 64, 64, 32, 3)}
+SKINNY_MAX_M = 128
+SM_COUNT = 132             # H200 and H100 SXM
+SM_SHARED = 228 * 1024     # shared memory of one SM (a block may opt in to 227 KB of it)
+MIN_SPLIT_SLABS = 4        # a split shorter than this spends its time filling and draining the pipeline
 
 
 def pieces(bf16_inputs: bool) -> int:
@@ -138,6 +163,34 @@ def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
     if bf16_inputs and blocks(NARROW) < MIN_BLOCKS:
         return SMALL
     return NARROW
+
+
+def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
+                tile: PipelinedTile | None = None) -> tuple[PipelinedTile, int]:
+    """(tile, splits) for x (m <= SKINNY_MAX_M, k) @ W (n, k)^T: SKINNY_TILES' tile for m (or `tile`), and
+    the fewest splits of K that give every SM its resident blocks (as many as shared memory allows, up to
+    two), each split at least MIN_SPLIT_SLABS slabs long. n: the weight's rows (gated: 2F)."""
+    tile = tile or SKINNY_TILES[next(b for b in SKINNY_TILES if b >= min(m, SKINNY_MAX_M))]
+    resident = max(1, min(2, SM_SHARED // (shared_bytes(tile, bf16_inputs) + 1024)))
+    tiles = split_counters_size(tile, m, n, gated)
+    slabs = _cdiv(k, tile.bk)
+    splits = max(1, min(_cdiv(resident * SM_COUNT, tiles), slabs // MIN_SPLIT_SLABS))
+    while (splits - 1) * _cdiv(slabs, splits) >= slabs:   # no empty split
+        splits -= 1
+    return tile, splits
+
+
+def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
+    """(float32 partials, int32 counters) that every skinny plan of x (m <= SKINNY_MAX_M, K) @ W^T needs, for
+    weights given as (n, k, gated); the largest plan of a tile is the one at M = its BM."""
+    partials = counters = 1
+    for n, k, gated in weights:
+        for m in SKINNY_TILES:
+            tile, splits = skinny_plan(m, n, k, bf16_inputs, gated)
+            if splits > 1:
+                partials = max(partials, split_partials_size(tile, m, n, splits, gated))
+                counters = max(counters, split_counters_size(tile, m, n, gated))
+    return partials, counters
 
 
 def workspace_size(m: int, k: int, bf16_inputs: bool) -> int:
@@ -175,9 +228,10 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_blocks: int, planes_per_x: int,
-                 gated: bool = False, planes_out: bool = False):
+                 gated: bool = False, planes_out: bool = False, split_k: bool = False):
     """The kernel for one tile, number of x planes and epilogue (see the module docstring for the mapping);
-    planes_out: out is uint16 (P * M, cols), the P bf16 planes of the result, else float32 (M, cols)."""
+    planes_out: out is uint16 (P * M, cols), the P bf16 planes of the result, else float32 (M, cols);
+    split_k: the K range is split over gridDim.z blocks per tile, which meet through a partials workspace."""
     tile = PipelinedTile(bm, bn, bk, wm, wn, stages, min_blocks)
     if bk % 16 or wm % 16 or wn % 16 or bm % wm or bn % wn or stages < 2 or min_blocks < 0:
         raise ValueError(f"gemm_pipelined tile {tuple(tile)}: need bk, wm, wn multiples of 16, bm % wm == bn % wn "
@@ -195,6 +249,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
     B_OFF = A_ROWS * LD           # where W's rows start in a stage
     STAGE = (A_ROWS + bn) * LD    # bf16 per stage
     MI, NJ, S = wm // 16, wn // 8, bk // 16
+    ACC = MI * NJ * 4             # accumulators per thread: a tile's partial sums are ACC * THREADS = bm * bn
     HALF_WN = wn // 2             # gated: features per warp (its gate rows, then its up rows)
     P_OUT = P if planes_out else 1  # row blocks of out: one per plane
     wait_for_slab = cp_async_wait(stages - 2)
@@ -248,27 +303,20 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
             bmap[e, 2] = CHUNK * q
 
     @cuda.jit(device=True)
-    def issue_slab(planes, w, sh, stage, k0, K, amap, bmap):
-        """cp.async this thread's chunks of the slab at k0 into stage `stage` (interior slabs skip k checks)."""
+    def issue(src, sh, stage, k0, K, chunks, cmap):
+        """cp.async this thread's `chunks` chunks (cmap: one operand's staging map) of the slab at k0 into stage
+        `stage` (interior slabs skip the k checks)."""
         base = stage * STAGE
         whole = k0 + bk <= K
-        for e in range(A_PER):
-            d = amap[e, 0]
+        for e in range(chunks):
+            d = cmap[e, 0]
             if d >= 0:
-                src = amap[e, 1]
-                valid = src >= 0 and (whole or k0 + amap[e, 2] < K)
-                cp_async_16(sh, base + d, planes, src + k0 if valid else 0, valid)
-        for e in range(B_PER):
-            d = bmap[e, 0]
-            if d >= 0:
-                src = bmap[e, 1]
-                valid = src >= 0 and (whole or k0 + bmap[e, 2] < K)
-                cp_async_16(sh, base + d, w, src + k0 if valid else 0, valid)
+                s0 = cmap[e, 1]
+                valid = s0 >= 0 and (whole or k0 + cmap[e, 2] < K)
+                cp_async_16(sh, base + d, src, s0 + k0 if valid else 0, valid)
 
-    @cuda.jit(**options)
-    def gemm_pipelined_kernel(planes, w, out, K):
-        """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, cols) f32 or, planes_out, (P * M, cols)
-        u16, cols = N or, gated, N / 2; K the shared dimension."""
+    @cuda.jit(device=True, inline=True)
+    def gemm_body(planes, w, out, K, partials, counters):
         sh = cuda.shared.array(0, uint16)
         warp = cuda.threadIdx.x // WARP
         lane = cuda.threadIdx.x % WARP
@@ -288,19 +336,34 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
         a_lane = (lane % 16) * LD + 8 * (lane // 16)
         b_lane = (lane % 8 + 8 * (lane // 16)) * LD + 8 * ((lane // 8) % 2)
 
+        # this block's slabs: all of K, or with split_k its share (the launcher leaves no share empty)
         slabs = (K + bk - 1) // bk
+        first, count = 0, slabs
+        if split_k:
+            per = (slabs + cuda.gridDim.z - 1) // cuda.gridDim.z
+            first = cuda.blockIdx.z * per
+            count = min(slabs - first, per)
+        # Prologue: the weight chunks of the first STAGES - 1 slabs go out before the PDL wait (weights are
+        # never written), x's after it; one cp.async group each, so that slab s has landed once the first
+        # STAGES + s groups have (what wait_for_slab checks at iteration s, below).
         for s in range(stages - 1):
-            if s < slabs:
-                issue_slab(planes, w, sh, s, s * bk, K, amap, bmap)
+            if s < count:
+                issue(w, sh, s, (first + s) * bk, K, B_PER, bmap)
             cp_async_commit()
-        for kt in range(slabs):
+        pdl.grid_wait()
+        for s in range(stages - 1):
+            if s < count:
+                issue(planes, sh, s, (first + s) * bk, K, A_PER, amap)
+            cp_async_commit()
+        for it in range(count):
             wait_for_slab()
-            cuda.syncthreads()   # slab kt is in shared memory for every thread; slab kt - 1 is free
-            nxt = kt + stages - 1
-            if nxt < slabs:
-                issue_slab(planes, w, sh, nxt % stages, nxt * bk, K, amap, bmap)
+            cuda.syncthreads()   # slab `it` is in shared memory for every thread; slab it - 1 is free
+            nxt = it + stages - 1
+            if nxt < count:
+                issue(w, sh, nxt % stages, (first + nxt) * bk, K, B_PER, bmap)
+                issue(planes, sh, nxt % stages, (first + nxt) * bk, K, A_PER, amap)
             cp_async_commit()    # (an empty group past the end keeps the count that wait_for_slab expects)
-            base = (kt % stages) * STAGE
+            base = (it % stages) * STAGE
             for s in range(S):
                 for jj in range(NJ // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(sh, base + B_OFF + (wn0 + 16 * jj) * LD + 16 * s + b_lane)
@@ -313,6 +376,41 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                             acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_m16n8k16(
                                 a0, a1, a2, a3, bf[j, 0], bf[j, 1],
                                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+        pdl.launch_dependents()
+
+        if split_k:
+            if cuda.gridDim.z > 1:
+                # Every block of the tile stores its partial sums; the last to arrive adds all of them in split
+                # order (so the result does not depend on which block that is) and runs the epilogue.
+                tile_id = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.y
+                splits = cuda.gridDim.z
+                tid = cuda.threadIdx.x
+                mine = (tile_id * splits + cuda.blockIdx.z) * ACC * THREADS + tid
+                for i in range(MI):
+                    for j in range(NJ):
+                        for c in range(4):
+                            partials[mine + ((i * NJ + j) * 4 + c) * THREADS] = acc[i, j, c]
+                cuda.threadfence()   # the partials are visible device-wide before the count says so
+                last = cuda.shared.array(1, int32)
+                cuda.syncthreads()
+                if tid == 0:
+                    last[0] = cuda.atomic.add(counters, tile_id, 1) == splits - 1
+                cuda.syncthreads()
+                if last[0] == 0:
+                    return
+                if tid == 0:
+                    counters[tile_id] = 0   # every split has arrived: ready for the next launch
+                cuda.threadfence()
+                for i in range(MI):
+                    for j in range(NJ):
+                        for c in range(4):
+                            acc[i, j, c] = float32(0)
+                for z in range(splits):
+                    theirs = (tile_id * splits + z) * ACC * THREADS + tid
+                    for i in range(MI):
+                        for j in range(NJ):
+                            for c in range(4):
+                                acc[i, j, c] += load_l2(partials, theirs + ((i * NJ + j) * 4 + c) * THREADS)
 
         m_base = cuda.blockIdx.x * bm + wm0 + lane // 4
         M = out.shape[0] // P_OUT
@@ -335,6 +433,19 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                         n = n_base + 8 * j + c % 2
                         if m < M and n < out.shape[1]:
                             store(out, m, n, acc[i, j, c])
+
+    if split_k:
+        @cuda.jit(**options)
+        def gemm_pipelined_kernel(planes, w, out, K, partials, counters):
+            """planes (>= P * M * K,) u16 flat; w (N * K,) u16 flat; out (M, cols) f32 or, planes_out,
+            (P * M, cols) u16, cols = N or, gated, N / 2; K the shared dimension; partials (>= tiles *
+            gridDim.z * BM * BN,) f32 and counters (>= tiles,) int32, all zero between launches."""
+            gemm_body(planes, w, out, K, partials, counters)
+    else:
+        @cuda.jit(**options)
+        def gemm_pipelined_kernel(planes, w, out, K):
+            """As above, each block over the whole K."""
+            gemm_body(planes, w, out, K, out, out)   # (no partials: the split-K branch is compiled out)
 
     gemm_pipelined_kernel.threads = THREADS
     return gemm_pipelined_kernel
@@ -363,35 +474,54 @@ def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
 
 
 def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | None = None,
-                   bf16_inputs: bool = False, gated: bool = False):
+                   bf16_inputs: bool = False, gated: bool = False, splits: int = 1, split_workspace=None):
     """out = x @ W^T: bf16_planes(x) into workspace, then the pipelined kernel (as gemm_planes). x (M, K)
     float32 and weight (N, K) uint16 C-contiguous with K % 8 == 0; out (M, N) float32, or the planes of the
     result (see gemm_planes); workspace (>= workspace_size(M, K),) uint16. tile: by default SIM_TILE in the
     simulator, else PipelinedTile().
     gated: W is [gate; up] (N = 2F rows) and out (M, F) <- silu(x @ gate^T) * (x @ up^T) (the module
-    docstring); twin reference.matmul.gated_matmul."""
+    docstring); twin reference.matmul.gated_matmul. splits, split_workspace: as gemm_planes."""
     if tuple(weight.shape[1:]) != tuple(x.shape[1:]):
         raise ValueError(f"gemm_pipelined: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree on K")
-    launch_args = _gemm_launch(workspace, x.shape[0], weight, out, tile, bf16_inputs, gated)
+    launch_args = _gemm_launch(workspace, x.shape[0], weight, out, tile, bf16_inputs, gated, splits, split_workspace)
     bf16_planes(x, workspace, stream, bf16_inputs)
     if launch_args:
         kernel, grid, args, nbytes = launch_args
-        launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes)
+        launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes, dependent=True)
 
 
 def gemm_planes(planes, m: int, weight, out, stream=0, tile: PipelinedTile | None = None, bf16_inputs: bool = False,
-                gated: bool = False):
+                gated: bool = False, splits: int = 1, split_workspace=None):
     """out = x @ W^T (or gated, as gemm_pipelined) for an x (m, K) given as its bf16 planes (uint16, at least
     workspace_size(m, K); what bf16_planes writes). out is float32 (m, cols), or uint16 (P * m, cols): the P
     bf16 planes of the result (P = pieces(bf16_inputs); plane p in rows p * m ..), which is the planes
-    input of a GEMM that multiplies the result next (cols = N, or N / 2 gated)."""
-    launch_args = _gemm_launch(planes, m, weight, out, tile, bf16_inputs, gated)
+    input of a GEMM that multiplies the result next (cols = N, or N / 2 gated).
+    splits > 1: K is split over that many blocks per output tile (a skinny M leaves too few tiles to keep the
+    SMs streaming the weight); split_workspace = (partials, counters): float32 (>= split_partials_size(...),)
+    and int32 (>= split_counters_size(...),), the counters zero (each launch leaves them so)."""
+    launch_args = _gemm_launch(planes, m, weight, out, tile, bf16_inputs, gated, splits, split_workspace)
     if launch_args:
         kernel, grid, args, nbytes = launch_args
-        launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes)
+        launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes, dependent=True)
 
 
-def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bool):
+def _grid(tile: PipelinedTile, m: int, cols: int, gated: bool) -> tuple[int, int]:
+    return _cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn)
+
+
+def split_counters_size(tile: PipelinedTile, m: int, n: int, gated: bool = False) -> int:
+    """int32 counters a split launch needs: one per output tile. n: the weight's rows."""
+    gx, gy = _grid(tile, m, n // 2 if gated else n, gated)
+    return gx * gy
+
+
+def split_partials_size(tile: PipelinedTile, m: int, n: int, splits: int, gated: bool = False) -> int:
+    """float32 partial sums a split launch needs: every split's BM x BN accumulators of every tile."""
+    return split_counters_size(tile, m, n, gated) * splits * tile.bm * tile.bn
+
+
+def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bool, splits: int = 1,
+                 split_workspace=None):
     """Check the arguments of gemm_planes; (kernel, grid, kernel arguments, shared bytes), or None when there
     is nothing to compute."""
     N, K = weight.shape
@@ -414,6 +544,26 @@ def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bo
     if m == 0 or N == 0:
         return None
     tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
-    kernel = _gemm_kernel(*tile, p, bool(gated), planes_out)
-    grid = (_cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn))
-    return kernel, grid, (planes, view(weight, (N * K,)), out, np.int64(K)), shared_bytes(tile, bf16_inputs)
+    grid = _grid(tile, m, cols, gated)
+    args = (planes, view(weight, (N * K,)), out, np.int64(K))
+    slabs = _cdiv(K, tile.bk)
+    if not 1 <= splits <= slabs or (splits - 1) * _cdiv(slabs, splits) >= slabs:
+        raise ValueError(f"gemm_pipelined: {splits} splits of {slabs} slabs of {tile.bk} would leave a split "
+                         f"empty (see valid_splits)")
+    if splits > 1:
+        partials, counters = split_workspace if split_workspace is not None else (None, None)
+        need_p, need_c = split_partials_size(tile, m, N, splits, gated), split_counters_size(tile, m, N, gated)
+        if (partials is None or partials.dtype != np.float32 or len(partials.shape) != 1 or partials.shape[0] < need_p
+                or counters.dtype != np.int32 or len(counters.shape) != 1 or counters.shape[0] < need_c):
+            raise ValueError(f"gemm_pipelined: {splits} splits need split_workspace = (float32 partials of >= "
+                             f"{need_p}, int32 counters of >= {need_c}, zero)")
+        grid, args = (*grid, splits), (*args, partials, counters)
+    kernel = _gemm_kernel(*tile, p, bool(gated), planes_out, splits > 1)
+    return kernel, grid, args, shared_bytes(tile, bf16_inputs)
+
+
+def valid_splits(tile: PipelinedTile, k: int) -> list[int]:
+    """The split counts of K's slabs that leave no split empty (each split takes ceil(slabs / splits) slabs,
+    the last what is left): 1 .. slabs, except counts like 3 splits of 4 slabs (2 + 2 + 0)."""
+    slabs = _cdiv(k, tile.bk)
+    return [s for s in range(1, slabs + 1) if (s - 1) * _cdiv(slabs, s) < slabs]

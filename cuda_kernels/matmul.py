@@ -1370,24 +1370,43 @@ def uses_gemv(m: int, n: int) -> bool:
     return m <= (GEMV_WIDE_MAX_M if n >= GEMV_WIDE_N else GEMV_MAX_M)
 
 
-def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, workspace=None):
+def pipelined_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
+                   split_workspace=None) -> tuple[gemm_pipelined.PipelinedTile, int] | None:
+    """(tile, splits) when matmul (given a planes workspace) runs x (m, k) @ W (n, k)^T on gemm_pipelined, else
+    None: with a split workspace every M from gemv's limit up to gemm_pipelined.SKINNY_MAX_M takes the skinny
+    plan (K split over blocks, so that the weight streams from every SM), larger M the policy's tile;
+    without one, M from PIPELINED_MIN_M (PIPELINED_WIDE_MIN_M for wide weights) only."""
+    if SIMULATOR or k % 8 or uses_gemv(m, n):
+        return None
+    if split_workspace is not None and m <= gemm_pipelined.SKINNY_MAX_M:
+        return gemm_pipelined.skinny_plan(m, n, k, bf16_inputs, gated)
+    if uses_pipelined(m, n, k):
+        return gemm_pipelined.pipelined_tile(m, n, k, bf16_inputs), 1
+    return None
+
+
+def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, workspace=None,
+                 split_workspace=None):
     """out (M, F) <- silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K): at decode sizes
     one gemv with the SiLU*mul in its epilogue; where matmul would take gemm_pipelined (given a planes
-    workspace), gemm_pipelined with the same epilogue; else matmul into scratch (at least (M, 2F) float32)
-    and activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
+    workspace; pipelined_plan), gemm_pipelined with the same epilogue; else matmul into scratch (at least
+    (M, 2F) float32) and activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
+    plan = workspace is not None and pipelined_plan(x.shape[0], weight.shape[0], x.shape[1], bf16_inputs, True,
+                                                    split_workspace)
     if uses_gemv(x.shape[0], weight.shape[0]):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs, gated=True)
-    elif workspace is not None and uses_pipelined(x.shape[0], weight.shape[0], x.shape[1]):
-        M, N, K = _check_args(x, weight, out, gated=True)
+    elif plan:
+        _check_args(x, weight, out, gated=True)
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
-                                      tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs))
+                                      tile=plan[0], splits=plan[1], split_workspace=split_workspace)
     else:
         gate_up = _rows(scratch, x.shape[0])
         matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs, workspace=workspace)
         activation.silu_and_mul(gate_up, out, stream)
 
 
-def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False, workspace=None, act_planes=None):
+def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False, workspace=None, act_planes=None,
+        split_workspace=None):
     """The gated MLP: out (M, H) <- act @ down^T, act = silu(x @ gate^T) * (x @ up^T) (M, F), for the fused
     [gate; up] (2F, H) and down (H, F). Where both GEMMs run on gemm_pipelined (given the planes workspace
     for x and act_planes, uint16 (P * M, F) with P = gemm_pipelined.pieces(bf16_inputs)), the gated GEMM
@@ -1395,20 +1414,24 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     conversion runs between the two (act itself is not written). Else gated_matmul into act (at least
     (M, F) float32, scratch as gated_matmul takes it), then matmul. Twin: reference.matmul.mlp."""
     M, N, K = _check_args(x, gate_up, None)
-    if (workspace is not None and act_planes is not None and uses_pipelined(M, N, K)
-            and uses_pipelined(M, down.shape[0], down.shape[1])):
+    plans = workspace is not None and act_planes is not None and (
+        pipelined_plan(M, N, K, bf16_inputs, True, split_workspace),
+        pipelined_plan(M, *down.shape, bf16_inputs, False, split_workspace))
+    if plans and all(plans):
+        (up_tile, up_splits), (down_tile, down_splits) = plans
         planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
-                                      tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs))
-        gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs,
-                                   tile=gemm_pipelined.pipelined_tile(M, *down.shape, bf16_inputs))
+                                      tile=up_tile, splits=up_splits, split_workspace=split_workspace)
+        gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_tile,
+                                   splits=down_splits, split_workspace=split_workspace)
     else:
-        gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace)
-        matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace)
+        gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace,
+                     split_workspace=split_workspace)
+        matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
 
 
 def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,
-                         bf16_inputs: bool = False, workspace=None):
+                         bf16_inputs: bool = False, workspace=None, split_workspace=None):
     """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
     memory, no RoPE kernel), else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
@@ -1418,7 +1441,7 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
                   bf16_inputs=bf16_inputs)
     else:
         qkv = _rows(scratch, x.shape[0])
-        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace)
+        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
         rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream)
 
 
@@ -1427,11 +1450,12 @@ def _rows(scratch, m: int):
     return scratch if scratch.shape[0] == m else scratch[:m]
 
 
-def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None):
+def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, split_workspace=None):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
     of GEMV_WIDE_N rows or more); given a workspace for x's bf16 planes (at least
-    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined from PIPELINED_MIN_M rows
-    (PIPELINED_WIDE_MIN_M for wide weights) when K % 8 == 0; gemm_tc for the rest.
+    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined where pipelined_plan says (with
+    a split workspace, gemm_pipelined.split_workspace_sizes: every M above gemv's, K split for skinny M);
+    gemm_tc for the rest.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
     multiplied, by whichever kernel runs.
@@ -1440,11 +1464,14 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None):
     if len(getattr(x, "shape", ())) == 2 and len(getattr(weight, "shape", ())) == 2 and uses_gemv(
             x.shape[0], weight.shape[0]):
         gemv(x, weight, out, stream, bf16_inputs=bf16_inputs)
-    elif SIMULATOR:
+        return
+    if SIMULATOR:
         gemm(x, weight, out, stream, bf16_inputs=bf16_inputs)
-    elif workspace is not None and uses_pipelined(x.shape[0], weight.shape[0], x.shape[1]):
-        M, N, K = _check_args(x, weight, out)
-        gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream,
-                                      tile=gemm_pipelined.pipelined_tile(M, N, K, bf16_inputs), bf16_inputs=bf16_inputs)
+        return
+    M, N, K = _check_args(x, weight, out)
+    plan = workspace is not None and pipelined_plan(M, N, K, bf16_inputs, False, split_workspace)
+    if plan:
+        gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, tile=plan[0], bf16_inputs=bf16_inputs,
+                                      splits=plan[1], split_workspace=split_workspace)
     else:
         gemm_tc(x, weight, out, stream, bf16_inputs=bf16_inputs)

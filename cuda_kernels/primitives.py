@@ -14,6 +14,9 @@ Rules for callers (both implementations rely on them):
   block; blocks are a whole number of warps;
 - a block reduction needs a `cuda.shared.array(32, float32)` scratch buffer from the calling kernel.
 
+`load_l2(array, i)` reads a global element past the SM's L1 (GPU: ld.global.cg; simulator: a plain read),
+for data other blocks of the running grid wrote.
+
 bf16 -> f32 is exact (the bits become the upper half of an fp32). f32 -> bf16 rounds to nearest, ties to
 even, as reference/bf16.py does: ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept a quiet NaN.
 """
@@ -75,6 +78,11 @@ if SIMULATOR:
         buf, _, first = _exchange(value)
         return buf[first + src_lane]
 
+    @cuda.jit(device=True)
+    def load_l2(array, i):
+        """array[i]: the simulator has one memory, no caches."""
+        return array[i]
+
 else:
     from numba.cuda import libdevice
 
@@ -109,6 +117,12 @@ else:
     @cuda.jit(device=True, inline=True)
     def warp_broadcast(value, src_lane):
         return cuda.shfl_sync(FULL_MASK, value, src_lane)
+
+    @cuda.jit(device=True, inline=True)
+    def load_l2(array, i):
+        """array[i] read through L2 only (ld.global.cg): an SM's L1 is not coherent with other SMs' writes,
+        so data that other blocks of the same grid wrote (after a threadfence) is read this way."""
+        return cuda.ldcg(array, i)
 
 
 @cuda.jit(device=True)

@@ -29,7 +29,7 @@ def test_cuda_engine_in_the_simulator_equals_the_cpu_reference(tiny_model_dir):
     cpu = LLM(tiny_model_dir, backend="cpu", block_size=4)
     # a 6-token budget chunks the first prompt; 5 blocks of 4 cannot hold all three: preemption
     gpu = LLM(tiny_model_dir, backend="cuda", block_size=4, max_num_seqs=3, max_num_batched_tokens=6,
-              num_kv_blocks=5)
+              num_kv_blocks=5, matmul_precision="fp32")
     assert gpu.engine.runner.name == "cuda"
     for params in (greedy, sampled):
         assert tokens(gpu.generate(prompts, params, use_tqdm=False)) == tokens(
@@ -50,6 +50,15 @@ def test_bf16_matmul_precision_in_the_simulator_equals_the_cpu_reference(tiny_mo
                                                                                         use_tqdm=False))
 
 
+def test_auto_matmul_precision_is_bf16_on_the_cuda_engine_and_fp32_on_the_cpu(tiny_model_dir):
+    """The default ("auto"): the CUDA engine's fast path, what the benchmarks measure; the CPU reference's
+    exact inputs. An explicit precision is kept on either backend."""
+    assert LLM(tiny_model_dir, backend="cuda", num_kv_blocks=8).engine.runner.matmul_precision == "bf16"
+    assert LLM(tiny_model_dir, backend="cpu", num_kv_blocks=8).engine.runner.matmul_precision == "fp32"
+    assert LLM(tiny_model_dir, backend="cuda", num_kv_blocks=8,
+               matmul_precision="fp32").engine.runner.matmul_precision == "fp32"
+
+
 # --- on the GPU, Llama-3.2-1B shapes ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -62,8 +71,10 @@ def llama_1b(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpu_llm(llama_1b):
-    # less than half the card, so that the static-batching engine of the last test fits beside it
-    return LLM(llama_1b, backend="cuda", max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.45)
+    # less than half the card, so that the static-batching engine of the last test fits beside it; fp32 matmul
+    # inputs, so that it differs from the reference by summation order only (the tests compare them)
+    return LLM(llama_1b, backend="cuda", max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.45,
+               matmul_precision="fp32")
 
 
 def first_step_logits(model_dir, llm, lengths, precision="fp32"):
@@ -97,11 +108,13 @@ def first_step_logits(model_dir, llm, lengths, precision="fp32"):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
 def test_first_step_logits_match_the_reference(llama_1b, gpu_llm):
-    # 300 + 37 + 1 tokens: more than matmul.PIPELINED_MIN_M, so the layers' matmuls run gemm_pipelined
-    got, want = first_step_logits(llama_1b, gpu_llm, (300, 37, 1))
-    # fp32 everywhere, different summation order, and bf16 KV rounding flips: see test_reference_llama
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2 ** -8 * np.abs(want).max())
-    assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
+    # 300 + 37 + 1 tokens: more than matmul.PIPELINED_MIN_M, so the layers' matmuls run gemm_pipelined's
+    # prefill tiles; 20 + 13 + 9 tokens: its skinny tiles with K split over blocks (matmul.pipelined_plan)
+    for lengths in ((300, 37, 1), (20, 13, 9)):
+        got, want = first_step_logits(llama_1b, gpu_llm, lengths)
+        # fp32 everywhere, different summation order, and bf16 KV rounding flips: see test_reference_llama
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=2 ** -8 * np.abs(want).max())
+        assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
@@ -158,7 +171,8 @@ def test_default_model_shapes_give_the_cpu_reference_tokens(tmp_path_factory):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 10000, n).tolist() for n in (42, 7, 130)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    gpu = LLM(model, backend="cuda", num_kv_blocks=256)  # a small cache: this module's gpu_llm may hold 45%
+    # a small cache: this module's gpu_llm may hold 45%; fp32 inputs, as the reference's
+    gpu = LLM(model, backend="cuda", num_kv_blocks=256, matmul_precision="fp32")
     assert gpu.engine.runner.use_graphs and gpu.engine.config.hidden_size == SMOLLM2_135M["hidden_size"] == 576
     cpu = LLM(model, backend="cpu", num_kv_blocks=256)
     assert tokens(gpu.generate(prompts, params, use_tqdm=False)) == tokens(
@@ -169,7 +183,7 @@ def test_default_model_shapes_give_the_cpu_reference_tokens(tmp_path_factory):
 def test_cuda_graphs_give_the_eager_tokens(llama_1b, gpu_llm):
     # 3 and 19 sequences are padded to the 4 and 32 buckets; greedy and sampled graphs are distinct
     rng = np.random.default_rng(4)
-    eager = LLM(llama_1b, backend="cuda", enforce_eager=True, num_kv_blocks=512)
+    eager = LLM(llama_1b, backend="cuda", enforce_eager=True, num_kv_blocks=512, matmul_precision="fp32")
     assert eager.engine.runner.graphs == {} and gpu_llm.engine.runner.use_graphs
     for batch in (3, 19):
         prompts = [rng.integers(0, 10000, int(n)).tolist() for n in rng.integers(1, 300, batch)]

@@ -40,9 +40,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="most sequences in one batch (default 256)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA backend: launch every kernel from Python instead of replaying CUDA graphs (debugging)")
-    p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32 (default): matmul inputs exact; bf16: rounded to bf16 first, as vLLM does (faster "
-                        "tensor-core GEMMs)")
+    p.add_argument("--matmul-precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="bf16: matmul inputs rounded to bf16 first, as vLLM does (faster tensor-core GEMMs); fp32: "
+                        "exact inputs; auto (default): bf16 on the CUDA engine, fp32 on the CPU reference")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:

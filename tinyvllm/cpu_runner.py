@@ -22,6 +22,7 @@ class CPURunner:
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks or -(-DEFAULT_CPU_KV_TOKENS // block_size)
+        self.matmul_precision = matmul_precision
         self.model = ReferenceLlama(config, weights, matmul_precision)
         self.kv = self.model.new_kv_cache(self.num_blocks, block_size)
         self._last = np.zeros(0, np.int32)   # the last step's samples, which a chained step reads

@@ -58,6 +58,7 @@ class CUDARunner:
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
                  enforce_eager: bool = False, matmul_precision: str = "fp32"):
         c = self.config = config
+        self.matmul_precision = matmul_precision
         self.bf16_inputs = matmul_precision == "bf16"   # matmul inputs rounded to bf16 (reference/matmul.py)
         self.block_size = block_size
         self.max_seqs = max_num_seqs
@@ -99,6 +100,14 @@ class CUDARunner:
         # x's bf16 planes for gemm_pipelined (prefill and large batches), for the widest matmul input
         self.planes = empty(gemm_pipelined.workspace_size(t, max(c.hidden_size, c.q_size, c.intermediate_size),
                                                           self.bf16_inputs), np.uint16)
+        # split-K partial sums and tile counters of the skinny GEMMs (decode batches; gemm_pipelined), the
+        # counters zero (each launch leaves them so); the simulator's engine takes the tiled SIMT GEMM instead
+        weight_shapes = [(c.q_size + 2 * c.kv_size, c.hidden_size, False), (c.hidden_size, c.q_size, False),
+                         (2 * c.intermediate_size, c.hidden_size, True), (c.hidden_size, c.intermediate_size, False),
+                         (c.vocab_size, c.hidden_size, False)]
+        partials, counters = gemm_pipelined.split_workspace_sizes(weight_shapes, self.bf16_inputs)
+        self.split_workspace = None if SIMULATOR else (empty(partials, f32),
+                                                       cuda.to_device(np.zeros(counters, np.int32)))
         # the MLP's act as the down projection's planes, written by the gate/up GEMM (matmul.mlp)
         self.act_planes = empty((gemm_pipelined.pieces(self.bf16_inputs) * t, c.intermediate_size), np.uint16)
         self.last = empty((s, c.hidden_size), f32)
@@ -205,7 +214,8 @@ class CUDARunner:
         p = self._prefixes(t, n)
         x, h, sub, q, attn, act = p["x"], p["h"], p["sub"], p["q"], p["attn"], p["act"]
         decode = max_q_len == 1
-        mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs, workspace=self.planes)
+        mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs, workspace=self.planes,
+                     split_workspace=self.split_workspace)
         if chained:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
@@ -216,7 +226,7 @@ class CUDARunner:
                 rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
             matmul.matmul_rope_kv_write(h, layer["qkv"], pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
                                         slots, q, p["qkv"], stream, bf16_inputs=self.bf16_inputs,
-                                        workspace=self.planes)
+                                        workspace=self.planes, split_workspace=self.split_workspace)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
                                                 stream, workspace=self.attn_workspace)
@@ -226,7 +236,7 @@ class CUDARunner:
             mm(p["attn_rows"], layer["o"], sub, stream)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
             matmul.mlp(h, layer["gate_up"], layer["down"], sub, act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
-                       workspace=self.planes, act_planes=p["act_planes"])
+                       workspace=self.planes, act_planes=p["act_planes"], split_workspace=self.split_workspace)
         if n == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)

@@ -33,13 +33,20 @@ def choose_backend(requested: str) -> str:
     return "cpu"
 
 
+# What matmul_precision "auto" means on each backend: the CUDA engine's fast path (bf16 inputs, as vLLM and
+# HF transformers compute), the CPU reference's exact inputs.
+AUTO_PRECISION = {"cuda": "bf16", "cpu": "fp32"}
+
+
 def make_runner(options, config, weights):
-    if choose_backend(options.backend) == "cuda":
+    backend = choose_backend(options.backend)
+    precision = AUTO_PRECISION[backend] if options.matmul_precision == "auto" else options.matmul_precision
+    if backend == "cuda":
         from tinyvllm.cuda_runner import CUDARunner
 
         return CUDARunner(config, weights, options.block_size, options.max_num_seqs,
                           options.max_num_batched_tokens, options.gpu_memory_utilization, options.num_kv_blocks,
-                          options.enforce_eager, options.matmul_precision)
+                          options.enforce_eager, precision)
     from tinyvllm.cpu_runner import CPURunner
 
-    return CPURunner(config, weights, options.block_size, options.num_kv_blocks, options.matmul_precision)
+    return CPURunner(config, weights, options.block_size, options.num_kv_blocks, precision)

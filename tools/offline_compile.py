@@ -9,7 +9,7 @@ the simulator can still fail to compile for the device (a libdevice function tha
 intrinsic with a wrong signature), or compile into register spills. This tool finds those on any machine
 that has the CUDA toolkit's compiler parts (NVVM with libdevice, and ptxas): it builds a one-layer
 Llama-3.2-1B-shaped CUDA runner on fake device arrays and runs a sampled prefill step and greedy decode
-steps at batch 1 and 8 with every launch intercepted. Each kernel is compiled by Numba to PTX for compute
+steps at batch 1, 8, 16, 64 and 128 with every launch intercepted. Each kernel is compiled by Numba to PTX for compute
 capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
 registers, spills and shared memory per kernel is printed. Nothing executes, so nothing is checked for
 correctness: that is what the GPU test profile is for.
@@ -183,7 +183,7 @@ def one_layer_weights(config) -> dict[str, np.ndarray]:
     return {name: np.zeros(shape, np.uint16) for name, shape in expected_shapes(config).items()}
 
 
-def run_steps(block_size: int) -> None:
+def run_steps(block_size: int, matmul_precision: str) -> None:
     from tinyvllm.config import ModelConfig
     from tinyvllm.cuda_runner import CUDARunner
     from tinyvllm.random_model import PRESETS
@@ -194,7 +194,7 @@ def run_steps(block_size: int) -> None:
     config = ModelConfig.from_dict({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 1,
                                     "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     runner = CUDARunner(config, one_layer_weights(config), block_size, 256, 8192, num_blocks=4096,
-                        enforce_eager=True)
+                        enforce_eager=True, matmul_precision=matmul_precision)
 
     def scheduled(length, new_tokens, temperature):
         seq = Sequence("x", list(range(length)), SamplingParams(temperature=temperature, top_k=5), 0)
@@ -203,7 +203,7 @@ def run_steps(block_size: int) -> None:
         return ScheduledSequence(seq, new_tokens)
 
     runner.execute([scheduled(100, 100, 0.7), scheduled(30, 30, 0.0)])      # prefill, sampled
-    for batch in (1, 8):                                                     # decode, greedy, split-K
+    for batch in (1, 8, 16, 64, 128):   # decode, greedy: gemv, then the skinny (split-K) GEMMs of each BM
         runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
 
 
@@ -253,6 +253,8 @@ def main() -> int:
                         help="check the fast decode attention's largest warp count against the register file")
     parser.add_argument("--gemv", nargs="+", default=[], metavar="N,K=CONFIG",
                         help="gemv configurations for these weight shapes instead of gemv_config's")
+    parser.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="bf16",
+                        help="the runner's matmul inputs (default bf16, the CUDA engine's default)")
     args = parser.parse_args()
     report: list = []
     install(args.cuda_home, report)
@@ -260,7 +262,8 @@ def main() -> int:
         return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size) else 0
     from tools.profile_step import gemv_override, with_gemv_configs
 
-    with_gemv_configs(lambda: run_steps(args.block_size), dict(gemv_override(t) for t in args.gemv))
+    with_gemv_configs(lambda: run_steps(args.block_size, args.matmul_precision),
+                      dict(gemv_override(t) for t in args.gemv))
     print("| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     failed, seen = 0, set()

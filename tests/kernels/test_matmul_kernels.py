@@ -844,6 +844,93 @@ def test_gemm_pipelined_planes_out_feed_the_next_gemm(tile, seed, m, fk, n, bf16
     check(out, act, w2, bf16_inputs)
 
 
+def split_workspace(tile, m, n, splits, gated=False):
+    """(partials, counters) for a split launch: partials poisoned with NaN (a split that is read before it
+    is written shows), counters zero as the engine allocates them."""
+    partials = to_device(np.full(gp.split_partials_size(tile, m, n, splits, gated), np.nan, np.float32))
+    return partials, to_device(np.zeros(gp.split_counters_size(tile, m, n, gated), np.int32))
+
+
+# split-K: the simulator's tiles over a few slabs; on the GPU the skinny tiles
+SPLIT_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2)], list(gp.SKINNY_TILES.values()))
+
+
+@pytest.mark.parametrize("tile", SPLIT_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("epilogue", ["plain", "gated", "planes"])
+@settings(max_examples=examples(3, 6))
+@given(seeds, sizes(20, [9, 16, 33, 64, 128], 128), st.integers(1, pick(24, 3000)),
+       st.integers(1, pick(6, 40)), st.data(), st.booleans())
+def test_gemm_pipelined_split_k(tile, epilogue, seed, m, n, slabs, data, bf16_inputs):
+    """K split over gridDim.z blocks per tile: every split count that leaves no split empty, with a K short
+    of a whole last slab; the result within the summation tolerance, bit-identical on a second launch (the
+    splits are added in split order whoever arrives last), the counters zero again, and for the planes
+    epilogue exactly the planes of the float32 result."""
+    gated = epilogue != "plain"
+    k = max(8, tile.bk * slabs - 8 * data.draw(st.integers(0, tile.bk // 8 - 1)))
+    splits = data.draw(st.sampled_from(gp.valid_splits(tile, k)))
+    rows = 2 * n if gated else n
+    x, w = make_inputs(seed, m, rows, k)
+    p = gp.pieces(bf16_inputs)
+    workspace = to_device(reference_bf16_planes(x, bf16_inputs).ravel())
+    partials, counters = split_workspace(tile, m, rows, splits, gated)
+    outs = []
+    for _ in range(2):
+        out = (to_device(np.full((p * m, n), 0xBEEF, np.uint16)) if epilogue == "planes" else stale_out(m, n))
+        gp.gemm_planes(workspace, m, to_device(w), out, tile=tile, bf16_inputs=bf16_inputs, gated=gated,
+                       splits=splits, split_workspace=(partials, counters))
+        outs.append(out.copy_to_host())
+        assert (counters.copy_to_host() == 0).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    if epilogue == "plain":
+        check(outs[0], x, w, bf16_inputs)
+    elif epilogue == "gated":
+        check_gated(to_device(outs[0]), x, w, bf16_inputs)
+    else:   # the same launch with a float32 out gives the values these planes must encode
+        out = stale_out(m, n)
+        gp.gemm_planes(workspace, m, to_device(w), out, tile=tile, bf16_inputs=bf16_inputs, gated=True,
+                       splits=splits, split_workspace=(partials, counters))
+        np.testing.assert_array_equal(outs[0].ravel(), reference_bf16_planes(out.copy_to_host(), bf16_inputs).ravel())
+        check_gated(out, x, w, bf16_inputs)
+
+
+def test_split_k_plans():
+    """skinny_plan: the tile for M, splits that fill the SMs' resident blocks without an empty or short split,
+    none for a grid that already fills them; split_workspace_sizes covers every plan of the given weights."""
+    weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
+               (128256, 2048, False)]
+    for bf16 in (False, True):
+        sizes_ = gp.split_workspace_sizes(weights, bf16)
+        for m in range(9, gp.SKINNY_MAX_M + 1):
+            for n, k, gated in weights:
+                tile, splits = gp.skinny_plan(m, n, k, bf16, gated)
+                assert tile.bm >= m and (tile.bm == 16 or tile.bm // 2 < m)
+                slabs = -(-k // tile.bk)
+                assert splits in gp.valid_splits(tile, k) and (splits == 1 or slabs // splits >= gp.MIN_SPLIT_SLABS)
+                tiles = gp.split_counters_size(tile, m, n, gated)
+                assert splits == 1 or tiles * (splits - 1) < 2 * gp.SM_COUNT
+                if splits > 1:
+                    assert gp.split_partials_size(tile, m, n, splits, gated) <= sizes_[0]
+                    assert tiles <= sizes_[1]
+    assert gp.skinny_plan(16, 3072, 2048, True) == (gp.SKINNY_TILES[16], 8)      # 24 tiles -> 192 blocks
+    assert gp.skinny_plan(64, 128256, 2048, True)[1] == 1                      # 1002 tiles: no split
+
+
+def test_split_k_rejects_bad_plans():
+    x, w, out = _args(m=4, n=6, k=64)
+    planes = device_empty(gp.workspace_size(4, 64, True), np.uint16)
+    tile = gp.PipelinedTile(16, 16, 16, 16, 16, 2)   # 4 slabs of K = 64
+    with pytest.raises(ValueError, match=r"5 splits of 4 slabs of 16 would leave a split empty"):
+        gp.gemm_planes(planes, 4, w, out, tile=tile, bf16_inputs=True, splits=5)
+    with pytest.raises(ValueError, match=r"3 splits of 4 slabs of 16 would leave a split empty"):
+        gp.gemm_planes(planes, 4, w, out, tile=tile, bf16_inputs=True, splits=3)
+    with pytest.raises(ValueError, match=r"2 splits need split_workspace"):
+        gp.gemm_planes(planes, 4, w, out, tile=tile, bf16_inputs=True, splits=2)
+    small = (device_empty(gp.split_partials_size(tile, 4, 6, 2) - 1, np.float32), device_empty(1, np.int32))
+    with pytest.raises(ValueError, match=r"2 splits need split_workspace"):
+        gp.gemm_planes(planes, 4, w, out, tile=tile, bf16_inputs=True, splits=2, split_workspace=small)
+    assert gp.valid_splits(tile, 64) == [1, 2, 4] and gp.valid_splits(tile, 80) == [1, 2, 3, 5]
+
+
 @settings(max_examples=examples(4, 8))
 @given(seeds, st.sampled_from(pick([1, 3, 20], [1, 5, 64, 200, 1024])), st.booleans())
 def test_mlp_dispatch(seed, m, bf16_inputs):

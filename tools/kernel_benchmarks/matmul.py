@@ -277,6 +277,60 @@ def _cold_case(name, launcher, x, w, dx, copies, dout, kwargs) -> Case:
     return Case("matmul", name, launch, check, bytes_moved=w.nbytes + dx.nbytes + dout.nbytes)
 
 
+SKINNY_MS = (16, 32, 64, 128)
+
+
+def skinny_variants(m: int, n: int, k: int, bf16_inputs: bool) -> list[tuple[gp.PipelinedTile, int]]:
+    """(tile, splits) worth timing against the skinny plan at (m, n, k): the plan, half and twice its splits,
+    and its tile with 64 weight rows a block, and with 3 and 6 stages (each with its own plan's splits)."""
+    tile, splits = gp.skinny_plan(m, n, k, bf16_inputs)
+    tiles = [tile, tile._replace(bn=64), tile._replace(stages=3), tile._replace(stages=6)]
+    out = [(tile, splits), (tile, max(1, splits // 2)), (tile, splits * 2)]
+    out += [gp.skinny_plan(m, n, k, bf16_inputs, tile=t) for t in tiles[1:]]
+    valid = []
+    for t, s in out:
+        if (t, s) not in valid and s in gp.valid_splits(t, k) and gp.shared_bytes(t, bf16_inputs) <= OPT_IN_SHARED_LIMIT:
+            valid.append((t, s))
+    return valid
+
+
+def skinny_cases(ms=SKINNY_MS, weights=None, bf16_inputs: bool = True, cold_bytes: int = COLD_BYTES) -> list[Case]:
+    """Decode batches above gemv's rows with each weight cold in L2 (as cold_cases): the engine's matmul without
+    a split workspace (gemm_tc, or gemm_pipelined's unsplit tile from PIPELINED_MIN_M), with one (the skinny
+    plan: gemm_pipelined with K split over blocks), and skinny_variants of the plan. x's bf16 planes are
+    converted in every launch, as matmul does. gate/up is timed as a plain product (the gated epilogue reads
+    the same weight). bytes_moved: the weight, x and out."""
+    rng = np.random.default_rng(5)
+    out = []
+    for wname, n, k in WEIGHTS:
+        if weights and wname not in weights:
+            continue
+        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
+        copies = [cuda.to_device(w) for _ in range(max(1, -(-cold_bytes // w.nbytes)))]
+        for m in ms:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            dx, dout = cuda.to_device(x), cuda.device_array((m, n), np.float32)
+            planes = cuda.device_array(gp.workspace_size(m, k, bf16_inputs), np.uint16)
+            variants = skinny_variants(m, n, k, bf16_inputs)
+            size_p = max(gp.split_partials_size(t, m, n, s) for t, s in variants)
+            size_c = max(gp.split_counters_size(t, m, n) for t, _ in variants)
+            split_ws = (cuda.device_array(size_p, np.float32), cuda.to_device(np.zeros(size_c, np.int32)))
+            mode = "bf16" if bf16_inputs else "fp32"
+            runs = [("matmul, no split workspace", mm.matmul, {"workspace": planes}),
+                    ("matmul, skinny plan", mm.matmul, {"workspace": planes, "split_workspace": split_ws})]
+            for tile, splits in variants[1:]:
+                def pipelined(x_, w_, out_, stream, tile=tile, splits=splits, bf16_inputs=bf16_inputs, planes=planes,
+                              split_ws=split_ws):
+                    gp.gemm_pipelined(x_, w_, out_, planes, stream, tile=tile, bf16_inputs=bf16_inputs, splits=splits,
+                                      split_workspace=split_ws)
+                runs.append((f"variant: tile {_tile_label(tile)}, {splits} splits", pipelined, {}))
+            for label, launcher, kwargs in runs:
+                case = _cold_case(f"{wname} {mode} cold {m}x{k} @ {n}x{k}^T ({label})", launcher, x, w, dx, copies,
+                                  dout, {"bf16_inputs": bf16_inputs, **kwargs})
+                out.append(replace(case, shape=f"{wname} {m}x{k} @ {n}x{k}^T", config=label))
+    return out
+
+
 def engine_decode_cases(config, bf16_inputs: bool = False, cold_bytes: int = COLD_BYTES,
                         block_size: int = 16) -> list[Case]:
     """The five batch-1 decode matmuls of a model as the engine launches them (tinyvllm/cuda_runner.py at
@@ -413,7 +467,23 @@ def main() -> None:
                              "config and gemm_tc's tile")
     parser.add_argument("--pipelined", action="store_true",
                         help="instead: gemm_pipelined in each candidate tile next to gemm_tc (M from 64)")
+    parser.add_argument("--skinny", action="store_true",
+                        help="instead: decode batches (M = 16-128, or --m) with cold weights: the engine's matmul "
+                             "with and without the split-K skinny plan, and variants of the plan")
+    parser.add_argument("--fp32", action="store_true", help="--skinny in fp32 mode (default: bf16 inputs)")
     args = parser.parse_args()
+    if args.skinny:
+        print("| case | time (us) | weight GB/s |")
+        print("| --- | ---: | ---: |")
+        ms = [m for m in args.m if 8 < m <= gp.SKINNY_MAX_M] or SKINNY_MS
+        for case in skinny_cases(ms, args.weights, bf16_inputs=not args.fp32):
+            seconds = checked_time(case)
+            if isinstance(seconds, str):
+                print(f"| {case.name} | {seconds} | |", flush=True)
+                continue
+            n, k = (int(v) for v in case.shape.split(" @ ")[1].split("^T")[0].split("x"))
+            print(f"| {case.name} | {seconds * 1e6:,.1f} | {2 * n * k / seconds / 1e9:,.0f} |", flush=True)
+        return
     if args.gemv:
         print("| case | time (us) | GB/s (W + x + out) |")
         print("| --- | ---: | ---: |")
