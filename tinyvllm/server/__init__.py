@@ -5,6 +5,7 @@
     prompts.py      prompts to token ids, with the length checks done before the engine sees them
     engine_loop.py  the thread that owns the engine and steps it; handlers get outputs through asyncio queues
     serving.py      the two generation endpoints: one JSON response, or server-sent events
+    logprobs.py     log-probabilities in OpenAI's response shapes
     middleware.py   API key and request-size limit, before any body is parsed
     metrics.py      Prometheus text for /metrics
     app.py          the FastAPI application: routes and error handlers

@@ -129,9 +129,7 @@ async def generate(http_request: Request, request: GenerationRequest, ctx: Serve
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         num_choices = getattr(params, "n", 1)  # an engine without n: one choice
         window = LogprobWindow(fmt, getattr(params, "logprobs", None))
-        events = _events(stream, fmt, head, num_choices, window, len(prompt_ids), include_usage)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(_events(stream, fmt, head, num_choices, window, len(prompt_ids), include_usage), stream)
     try:
         final = await _unless_disconnected(http_request, _last_output(stream))
     finally:
@@ -195,32 +193,46 @@ async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, wind
     sent: dict[int, int] = {}        # choice index -> characters sent
     done: set[int] = set()           # choices whose finish_reason was sent
     last: RequestOutput | None = None
+    openings = [fmt.opening(i) for i in range(num_choices)]
+    if openings[0] is not None:
+        yield _sse({**chunk, "choices": openings, **extra})
     try:
-        openings = [fmt.opening(i) for i in range(num_choices)]
-        if openings[0] is not None:
-            yield _sse({**chunk, "choices": openings, **extra})
+        async for last in stream.outputs():
+            choices = []
+            for c in last.outputs:
+                if c.index in done:
+                    continue
+                text = c.text[sent.get(c.index, 0):]
+                sent[c.index] = len(c.text)
+                logprobs = window.next(c)
+                if c.finish_reason is not None:
+                    done.add(c.index)
+                if text or logprobs or c.finish_reason is not None:
+                    choices.append(fmt.delta(c.index, text, c.finish_reason, logprobs))
+            if choices:
+                yield _sse({**chunk, "choices": choices, **extra})
+    except RequestAborted:
+        aborted = [fmt.delta(i, None, "abort", None) for i in range(num_choices) if i not in done]
+        yield _sse({**chunk, "choices": aborted, **extra})
+    except APIError as exc:
+        yield _sse(exc.body())
+    if include_usage:
+        yield _sse({**chunk, "choices": [], "usage": usage(last, num_prompt_tokens)})
+    yield _sse("[DONE]")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that close their request however the response ends: done, failed, or cancelled by
+    a disconnect, even one that comes before the body iterator has started (whose own `finally` would then
+    never run, leaving the request running and counted against the server's limit)."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            async for last in stream.outputs():
-                choices = []
-                for c in last.outputs:
-                    if c.index in done:
-                        continue
-                    text = c.text[sent.get(c.index, 0):]
-                    sent[c.index] = len(c.text)
-                    logprobs = window.next(c)
-                    if c.finish_reason is not None:
-                        done.add(c.index)
-                    if text or logprobs or c.finish_reason is not None:
-                        choices.append(fmt.delta(c.index, text, c.finish_reason, logprobs))
-                if choices:
-                    yield _sse({**chunk, "choices": choices, **extra})
-        except RequestAborted:
-            aborted = [fmt.delta(i, None, "abort", None) for i in range(num_choices) if i not in done]
-            yield _sse({**chunk, "choices": aborted, **extra})
-        except APIError as exc:
-            yield _sse(exc.body())
-        if include_usage:
-            yield _sse({**chunk, "choices": [], "usage": usage(last, num_prompt_tokens)})
-        yield _sse("[DONE]")
-    finally:
-        stream.close()
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.close()
