@@ -48,3 +48,13 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bad_server_options_are_refused_by_flag_before_loading_a_model(capsys):
+    from tinyvllm.cli import main
+
+    for argv, flag in ((["--port", "70000"], "--port"), (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+                       (["--max-request-bytes", "0"], "--max-request-bytes"),
+                       (["--shutdown-timeout", "-1"], "--shutdown-timeout")):
+        assert main(["serve", "--model", "/nonexistent", *argv]) == 1
+        assert capsys.readouterr().err.startswith(f"tinyvllm: error: {flag} ")
