@@ -29,13 +29,21 @@ from tinyvllm.server.protocol import APIError
 log = logging.getLogger("tinyvllm.server")
 
 
+# A full queue drains at the engine's pace, a request every few steps: a second is a fair time to come back.
+RETRY_AFTER_SECONDS = 1
+
+
 class ServerBusy(APIError):
-    def __init__(self, message: str, retry_after: int = 1):
+    """No room for the request now (the queue is full, or the server is stopping): 503 with Retry-After."""
+
+    def __init__(self, message: str):
         super().__init__(503, message, type="server_error", code="server_busy",
-                         headers={"Retry-After": str(retry_after)})
+                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 class EngineFailed(APIError):
+    """A step raised: the engine's state is unknown, so the server serves nothing more (503)."""
+
     def __init__(self, cause: BaseException):
         super().__init__(503, f"the engine failed and stopped: {type(cause).__name__}: {cause}",
                          type="server_error", code="engine_failed")

@@ -66,7 +66,7 @@ class GenerationRequest(_Body):
     """The fields both endpoints share; None means "not given" (the engine's default applies)."""
 
     model: str
-    stream: bool = False
+    stream: bool | None = False          # null, as some clients send, means false
     stream_options: StreamOptions | None = None
     n: int | None = None
     temperature: float | None = None
