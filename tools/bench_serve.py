@@ -3,9 +3,15 @@
     tinyvllm serve --model DIR &                       # or any OpenAI-compatible server
     python tools/bench_serve.py --num-prompts 200 --max-concurrency 32
     python tools/bench_serve.py --num-prompts 200 --request-rate 4 --json out.json
+    python tools/bench_serve.py --dataset throughput --num-prompts 256 --token-high 10000
 
-Requests are streamed (server-sent events) completions of synthetic prompts: `--input-words` random words, and
-exactly `--output-len` tokens (ignore_eos, as vLLM's random dataset does), so every run asks the same work.
+Requests are streamed (server-sent events) completions, each generating exactly its number of tokens
+(ignore_eos, as vLLM's random dataset does), so every run asks the same work. Two datasets:
+- words (the default): prompts of --input-words random words, --output-len tokens each;
+- throughput: tools/bench.py's throughput workload (seed --seed): prompt ids drawn from [0, --token-high)
+  (use min(10000, the vocabulary size), as bench.py does), prompt and output lengths uniform in --prompt-lens
+  and --output-lens, so that the server's output tokens/s compare with `tools/bench.py throughput`'s offline
+  LLM.generate on the same requests.
 They arrive all at once (the default) or as a Poisson process at --request-rate per second; at most
 --max-concurrency are in flight, so `--max-concurrency N` alone is N clients sending back to back.
 
@@ -28,9 +34,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: tools.bench, for its throughput workload
+    sys.path.insert(0, str(REPO))
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "number group problem fact model token cache block batch kernel memory queue server stream").split()
@@ -50,6 +61,16 @@ class Result:
 def make_prompts(n: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+
+
+def make_requests(args) -> list[tuple[str | list[int], int]]:
+    """(prompt, output length) pairs of the chosen dataset."""
+    if args.dataset == "words":
+        return [(p, args.output_len) for p in make_prompts(args.num_prompts, args.input_words, args.seed)]
+    from tools.bench import random_requests  # the offline benchmark's own workload
+
+    return random_requests(np.random.default_rng(args.seed), args.num_prompts, tuple(args.prompt_lens),
+                           tuple(args.output_lens), args.token_high)
 
 
 async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> Result:
@@ -86,9 +107,9 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None), limits=limits) as http:
         model = args.model or (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
-        prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
-        bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "temperature": 0,
-                   "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
+        bodies = [{"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                   "stream": True, "stream_options": {"include_usage": True}}
+                  for prompt, output_len in make_requests(args)]
         gate = asyncio.Semaphore(args.max_concurrency)
         arrivals = np.random.default_rng(args.seed)
 
@@ -121,8 +142,12 @@ def summarize(results: list[Result], duration: float, model: str, args) -> dict:
     return {
         "model": model, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-        "input_words": args.input_words, "output_len": args.output_len, "duration_s": duration,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "dataset": args.dataset,
+        "dataset_options": ({"input_words": args.input_words, "output_len": args.output_len}
+                            if args.dataset == "words" else
+                            {"prompt_lens": args.prompt_lens, "output_lens": args.output_lens,
+                             "token_high": args.token_high, "seed": args.seed}),
+        "duration_s": duration,
         "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": output_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
         "ttft_ms": percentiles([r.ttft for r in ok]),
@@ -154,8 +179,16 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
-    p.add_argument("--input-words", type=int, default=64, help="random words per prompt (default 64)")
-    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument("--dataset", choices=("words", "throughput"), default="words",
+                   help="words (default): random words; throughput: tools/bench.py's throughput requests")
+    p.add_argument("--input-words", type=int, default=64, help="words: random words per prompt (default 64)")
+    p.add_argument("--output-len", type=int, default=64, help="words: tokens generated per request (default 64)")
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                   help="throughput: prompt lengths in tokens (default 100 1024, as tools/bench.py)")
+    p.add_argument("--output-lens", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                   help="throughput: output lengths in tokens (default 100 1024, as tools/bench.py)")
+    p.add_argument("--token-high", type=int, default=10000,
+                   help="throughput: prompt ids are drawn from [0, N) (default 10000)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=64, help="most requests in flight (default 64)")
