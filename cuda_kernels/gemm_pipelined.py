@@ -122,13 +122,12 @@ SIM_TILE = PipelinedTile(16, 32, 32, 16, 16, 3)
 
 # Skinny M (decode batches above gemv's rows, short prefill chunks): the whole of M in one block row (BM = M
 # rounded up to 16, 32, 64 or 128), 128 weight rows a block, 64-deep slabs, and K split over enough blocks
-# that the grid covers the SMs as often as they hold blocks (skinny_plan). The weight is the traffic here:
+# that the grid has about a block per SM (skinny_plan). The weight is the traffic here:
 # each block streams its BN x K / splits share of it, STAGES - 1 slabs ahead.
 SKINNY_TILES = {16: PipelinedTile(16, 128, 64, 16, 32, 4), 32: PipelinedTile(32, 128, 64, 32, 32, 4),
                 64: PipelinedTile(64, 128, 64, 32, 32, 4), 128: PipelinedTile(128, 128, 64, 64, 32, 3)}
 SKINNY_MAX_M = 128
 SM_COUNT = 132             # H200 and H100 SXM
-SM_SHARED = 228 * 1024     # shared memory of one SM (a block may opt in to 227 KB of it)
 MIN_SPLIT_SLABS = 4        # a split shorter than this spends its time filling and draining the pipeline
 
 
@@ -168,13 +167,16 @@ def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
 def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
                 tile: PipelinedTile | None = None) -> tuple[PipelinedTile, int]:
     """(tile, splits) for x (m <= SKINNY_MAX_M, k) @ W (n, k)^T: SKINNY_TILES' tile for m (or `tile`), and
-    the fewest splits of K that give every SM its resident blocks (as many as shared memory allows, up to
-    two), each split at least MIN_SPLIT_SLABS slabs long. n: the weight's rows (gated: 2F)."""
+    about one block per SM: splits = round(SM_COUNT / tiles), at least 1, each split at least
+    MIN_SPLIT_SLABS slabs long. n: the weight's rows (gated: 2F).
+    NOTE: measured on an H100 with cold weights (BENCHMARKS.md, 2026-12-06): about one block per SM was
+    the best or within 5% of it for every 1B weight at M = 16, 64 and 128 (O at M = 16: 8 splits 13.5 us,
+    4 splits 14.8, 16 splits 17.2; gate/up at M = 64, 128 tiles: unsplit 38.2 us, 3 splits 52.1); more
+    splits cost more in partial sums than they gain in blocks."""
     tile = tile or SKINNY_TILES[next(b for b in SKINNY_TILES if b >= min(m, SKINNY_MAX_M))]
-    resident = max(1, min(2, SM_SHARED // (shared_bytes(tile, bf16_inputs) + 1024)))
     tiles = split_counters_size(tile, m, n, gated)
     slabs = _cdiv(k, tile.bk)
-    splits = max(1, min(_cdiv(resident * SM_COUNT, tiles), slabs // MIN_SPLIT_SLABS))
+    splits = max(1, min(round(SM_COUNT / tiles), slabs // MIN_SPLIT_SLABS))
     while (splits - 1) * _cdiv(slabs, splits) >= slabs:   # no empty split
         splits -= 1
     return tile, splits
@@ -250,6 +252,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
     STAGE = (A_ROWS + bn) * LD    # bf16 per stage
     MI, NJ, S = wm // 16, wn // 8, bk // 16
     ACC = MI * NJ * 4             # accumulators per thread: a tile's partial sums are ACC * THREADS = bm * bn
+    RED = max(1, 64 // ACC)       # splits whose partials a thread loads at once when it adds them
     HALF_WN = wn // 2             # gated: features per warp (its gate rows, then its up rows)
     P_OUT = P if planes_out else 1  # row blocks of out: one per plane
     wait_for_slab = cp_async_wait(stages - 2)
@@ -405,12 +408,21 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                     for j in range(NJ):
                         for c in range(4):
                             acc[i, j, c] = float32(0)
-                for z in range(splits):
-                    theirs = (tile_id * splits + z) * ACC * THREADS + tid
-                    for i in range(MI):
-                        for j in range(NJ):
-                            for c in range(4):
-                                acc[i, j, c] += load_l2(partials, theirs + ((i * NJ + j) * 4 + c) * THREADS)
+                # NOTE: the partials of RED splits are loaded before any is added: independent loads in flight
+                # together, so the sum costs splits / RED L2 round trips, not one per split
+                batch = cuda.local.array((RED, ACC), float32)
+                for z0 in range(0, splits, RED):
+                    for r in range(RED):
+                        if z0 + r < splits:
+                            theirs = (tile_id * splits + z0 + r) * ACC * THREADS + tid
+                            for e in range(ACC):
+                                batch[r, e] = load_l2(partials, theirs + e * THREADS)
+                    for r in range(RED):
+                        if z0 + r < splits:
+                            for i in range(MI):
+                                for j in range(NJ):
+                                    for c in range(4):
+                                        acc[i, j, c] += batch[r, (i * NJ + j) * 4 + c]
 
         m_base = cuda.blockIdx.x * bm + wm0 + lane // 4
         M = out.shape[0] // P_OUT
@@ -474,17 +486,21 @@ def bf16_planes(x, planes, stream=0, bf16_inputs: bool = False):
 
 
 def gemm_pipelined(x, weight, out, workspace, stream=0, tile: PipelinedTile | None = None,
-                   bf16_inputs: bool = False, gated: bool = False, splits: int = 1, split_workspace=None):
+                   bf16_inputs: bool = False, gated: bool = False, splits: int = 1, split_workspace=None,
+                   planes_ready: bool = False):
     """out = x @ W^T: bf16_planes(x) into workspace, then the pipelined kernel (as gemm_planes). x (M, K)
     float32 and weight (N, K) uint16 C-contiguous with K % 8 == 0; out (M, N) float32, or the planes of the
     result (see gemm_planes); workspace (>= workspace_size(M, K),) uint16. tile: by default SIM_TILE in the
     simulator, else PipelinedTile().
     gated: W is [gate; up] (N = 2F rows) and out (M, F) <- silu(x @ gate^T) * (x @ up^T) (the module
-    docstring); twin reference.matmul.gated_matmul. splits, split_workspace: as gemm_planes."""
+    docstring); twin reference.matmul.gated_matmul. splits, split_workspace: as gemm_planes. planes_ready: x's
+    planes are in the workspace already (written by the kernel that produced x, e.g. rmsnorm's planes output):
+    no conversion kernel."""
     if tuple(weight.shape[1:]) != tuple(x.shape[1:]):
         raise ValueError(f"gemm_pipelined: x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree on K")
     launch_args = _gemm_launch(workspace, x.shape[0], weight, out, tile, bf16_inputs, gated, splits, split_workspace)
-    bf16_planes(x, workspace, stream, bf16_inputs)
+    if not planes_ready:
+        bf16_planes(x, workspace, stream, bf16_inputs)
     if launch_args:
         kernel, grid, args, nbytes = launch_args
         launch(kernel, grid, kernel.threads, stream, *args, shared=nbytes, dependent=True)

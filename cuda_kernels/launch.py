@@ -13,7 +13,9 @@ cost as much again: a 1,024-token prefill (about 220 launches) spent 18 ms issui
 changes from call to call:
 
 - The compiled overload, its driver handle and a packer for its parameters are found once per kernel and
-  argument signature (dtype, dimensions and layout of each array, the type of each scalar) and cached.
+  argument signature (dtype, dimensions and layout of each array, the type of each scalar) and cached. The
+  machine code itself comes from the on-disk kernel cache when an earlier process compiled it
+  (cuda_kernels/kernel_cache.py); else Numba compiles it and the cache keeps it.
 - The parameters are the ABI Numba compiles a kernel to. An array of ndim dimensions is 5 + 2 ndim
   parameters, (meminfo, parent, nitems, itemsize, data, shape[0], ..., strides[0], ...), each 8 bytes
   (meminfo and parent are host-side bookkeeping a kernel never reads: 0); a scalar is one parameter of its
@@ -30,8 +32,9 @@ changes from call to call:
 
 In the simulator `launch` is Numba's own launch, `view` the view and reshape, and `dependent` has no
 effect.
-Kernels compile on their first launch, as with Numba's syntax. One process, one device: the cache does not
-tell contexts apart.
+Kernels compile (or load) on their first launch, as with Numba's syntax. One process, one device: the cache
+does not tell contexts apart. `prepared()` counts the kernel signatures set up so far in the process (in
+the simulator: first seen), so that a caller can check that none is added after a warm-up.
 """
 
 from __future__ import annotations
@@ -84,6 +87,21 @@ def _view_shape(array, shape, dtype) -> tuple[np.dtype, tuple[int, ...]]:
     return dtype, shape
 
 
+# (kernel, signature) pairs launched so far: what prepared() counts; and how many of them were compiled
+_prepared: set = set()
+_compiled = [0]
+
+
+def prepared() -> int:
+    """How many kernel signatures this process has compiled or loaded (simulator: launched) so far."""
+    return len(_prepared)
+
+
+def compiled() -> int:
+    """How many of them Numba compiled (the others came from the on-disk kernel cache; GPU only)."""
+    return _compiled[0]
+
+
 if SIMULATOR:
     def view(array, shape=None, dtype=None):
         """array (C-contiguous) seen as `shape` of `dtype`: Numba's view and reshape in the simulator."""
@@ -94,11 +112,15 @@ if SIMULATOR:
 
     def _submit(kernel, grid, block, stream, args, shared, dependent):
         """Numba's own launch: the simulator has no driver to call, and no PDL."""
+        _prepared.add((kernel, tuple((a.dtype, len(a.shape)) if hasattr(a, "shape") else type(a) for a in args)))
         kernel[grid, block, stream, shared](*args)
 
 else:
     from cuda.bindings import driver as _drv
+    from cuda.core import ObjectCode
     from numba.core import types
+
+    from cuda_kernels import kernel_cache
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.np import numpy_support
 
@@ -196,8 +218,7 @@ else:
                     argtypes.append(kernel.typeof_pyval(a))
                     fmt.append(_scalar_format(argtypes[-1]))
             self.name = kernel.py_func.__name__
-            self.compiled = kernel.compile(tuple(argtypes))
-            self.kernel_handle = self.compiled._codelibrary.get_cufunc().handle
+            self.kernel_handle, self._code = _machine_code(kernel, tuple(argtypes))
             self.handle = _drv.CUfunction(int(self.kernel_handle))
             self.format = struct.Struct("".join(fmt))
             slots = self.format.size // SLOT
@@ -223,6 +244,27 @@ else:
                 raise RuntimeError(f"launch: could not allow {nbytes} bytes of dynamic shared memory for "
                                    f"{self.name}: {err}")
             self.shared = nbytes
+
+    def _machine_code(kernel, argtypes):
+        """(driver handle, the object that keeps the code loaded) of kernel for argtypes: from the on-disk cache
+        (kernel_cache.py) when it holds it, else compiled by Numba and stored there."""
+        cache_key = kernel_cache.key(kernel, argtypes, tuple(cuda.get_current_device().compute_capability))
+        hit = kernel_cache.load(cache_key)
+        if hit is not None:
+            name, cubin = hit
+            try:
+                code = ObjectCode.from_cubin(cubin)
+                return code.get_kernel(name).handle, code
+            except Exception:   # a damaged or foreign entry: compile, and overwrite it below
+                pass
+        compiled = kernel.compile(argtypes)
+        _compiled[0] += 1
+        library = compiled._codelibrary
+        handle = library.get_cufunc().handle
+        # NOTE: a kernel linked with code that needs set-up at load time is not cached (none here has)
+        if not library._setup_functions:
+            kernel_cache.store(cache_key, library._entry_name, library.get_cubin())
+        return handle, compiled
 
     _entries: dict = {}
     _streams: dict = {}   # id(stream) -> (a weak reference to the stream, its CUstream)
@@ -256,6 +298,7 @@ else:
         entry = _entries.get(key)
         if entry is None:
             entry = _entries[key] = _Entry(kernel, args)
+            _prepared.add(key)
         if shared > entry.shared:
             entry.allow_shared(shared)
         config = _configs()[1 if dependent and pdl_enabled() else 0]

@@ -1386,11 +1386,11 @@ def pipelined_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = Fals
 
 
 def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, workspace=None,
-                 split_workspace=None):
+                 split_workspace=None, planes_ready: bool = False):
     """out (M, F) <- silu(x @ gate^T) * (x @ up^T) for the fused weight [gate; up] (2F, K): at decode sizes
     one gemv with the SiLU*mul in its epilogue; where matmul would take gemm_pipelined (given a planes
     workspace; pipelined_plan), gemm_pipelined with the same epilogue; else matmul into scratch (at least
-    (M, 2F) float32) and activation.silu_and_mul. Twin: reference.matmul.gated_matmul."""
+    (M, 2F) float32) and activation.silu_and_mul. planes_ready: as matmul's. Twin: reference.matmul.gated_matmul."""
     plan = workspace is not None and pipelined_plan(x.shape[0], weight.shape[0], x.shape[1], bf16_inputs, True,
                                                     split_workspace)
     if uses_gemv(x.shape[0], weight.shape[0]):
@@ -1398,7 +1398,8 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
     elif plan:
         _check_args(x, weight, out, gated=True)
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
-                                      tile=plan[0], splits=plan[1], split_workspace=split_workspace)
+                                      tile=plan[0], splits=plan[1], split_workspace=split_workspace,
+                                      planes_ready=planes_ready)
     else:
         gate_up = _rows(scratch, x.shape[0])
         matmul(x, weight, gate_up, stream, bf16_inputs=bf16_inputs, workspace=workspace)
@@ -1406,13 +1407,14 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
 
 
 def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False, workspace=None, act_planes=None,
-        split_workspace=None):
+        split_workspace=None, planes_ready: bool = False):
     """The gated MLP: out (M, H) <- act @ down^T, act = silu(x @ gate^T) * (x @ up^T) (M, F), for the fused
     [gate; up] (2F, H) and down (H, F). Where both GEMMs run on gemm_pipelined (given the planes workspace
     for x and act_planes, uint16 (P * M, F) with P = gemm_pipelined.pieces(bf16_inputs)), the gated GEMM
     writes act straight as the bf16 planes the down GEMM multiplies: act never exists in fp32 and no planes
     conversion runs between the two (act itself is not written). Else gated_matmul into act (at least
-    (M, F) float32, scratch as gated_matmul takes it), then matmul. Twin: reference.matmul.mlp."""
+    (M, F) float32, scratch as gated_matmul takes it), then matmul. planes_ready: x's planes are in the
+    workspace already (see matmul). Twin: reference.matmul.mlp."""
     M, N, K = _check_args(x, gate_up, None)
     plans = workspace is not None and act_planes is not None and (
         pipelined_plan(M, N, K, bf16_inputs, True, split_workspace),
@@ -1421,27 +1423,29 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
         (up_tile, up_splits), (down_tile, down_splits) = plans
         planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
-                                      tile=up_tile, splits=up_splits, split_workspace=split_workspace)
+                                      tile=up_tile, splits=up_splits, split_workspace=split_workspace,
+                                      planes_ready=planes_ready)
         gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_tile,
                                    splits=down_splits, split_workspace=split_workspace)
     else:
         gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace,
-                     split_workspace=split_workspace)
+                     split_workspace=split_workspace, planes_ready=planes_ready)
         matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
 
 
 def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,
-                         bf16_inputs: bool = False, workspace=None, split_workspace=None):
+                         bf16_inputs: bool = False, workspace=None, split_workspace=None, planes_ready: bool = False):
     """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
     memory, no RoPE kernel), else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
-    Twin: reference.matmul.matmul_rope_kv_write."""
+    planes_ready: as matmul's. Twin: reference.matmul.matmul_rope_kv_write."""
     if uses_gemv(x.shape[0], weight.shape[0]):
         gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
                   bf16_inputs=bf16_inputs)
     else:
         qkv = _rows(scratch, x.shape[0])
-        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
+        matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace,
+               planes_ready=planes_ready)
         rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream)
 
 
@@ -1450,7 +1454,8 @@ def _rows(scratch, m: int):
     return scratch if scratch.shape[0] == m else scratch[:m]
 
 
-def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, split_workspace=None):
+def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, split_workspace=None,
+           planes_ready: bool = False):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
     of GEMV_WIDE_N rows or more); given a workspace for x's bf16 planes (at least
     gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined where pipelined_plan says (with
@@ -1458,7 +1463,8 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
     gemm_tc for the rest.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is
-    multiplied, by whichever kernel runs.
+    multiplied, by whichever kernel runs. planes_ready: where gemm_pipelined runs, x's bf16 planes are in the
+    workspace already (its producer wrote them; the other kernels read x itself).
     NOTE: in the simulator the engine takes gemm instead of gemm_tc: every emulated mma costs two block
     barriers over Python threads (gemm_tc's own tests still run there)."""
     if len(getattr(x, "shape", ())) == 2 and len(getattr(weight, "shape", ())) == 2 and uses_gemv(
@@ -1472,6 +1478,6 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
     plan = workspace is not None and pipelined_plan(M, N, K, bf16_inputs, False, split_workspace)
     if plan:
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, tile=plan[0], bf16_inputs=bf16_inputs,
-                                      splits=plan[1], split_workspace=split_workspace)
+                                      splits=plan[1], split_workspace=split_workspace, planes_ready=planes_ready)
     else:
         gemm_tc(x, weight, out, stream, bf16_inputs=bf16_inputs)

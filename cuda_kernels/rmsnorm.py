@@ -16,18 +16,24 @@ strode over the row twice (sum, then scale) and loaded the weight after the redu
 dependent memory round trips plus the reduction, about 3.6 us per call on the H200. Now there is one round
 trip before the reduction and the stores after it.
 
-Versions: v1 only (restructured as above).
+With `planes` (a 1-D uint16 workspace; the engine passes it where the next matmul runs on gemm_pipelined),
+each result is also written as its P bf16 planes, piece p of out[t, i] at planes[p * T * H + t * H + i]: the
+layout gemm_pipelined.bf16_planes writes (P = 1, out rounded to bf16, or 3, the bf16x3 split), so the GEMM
+that multiplies the normed rows next needs no conversion kernel of its own.
+
+Versions: v1 (restructured as above); v2 the same with the planes output.
 """
 
 import math
 from functools import lru_cache
 
-from numba import cuda, float32
+from numba import cuda, float32, uint16
 
 from cuda_kernels import pdl
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch
-from cuda_kernels.primitives import bf16_to_f32, block_sum
+from cuda_kernels.mma import split_bf16x3
+from cuda_kernels.primitives import bf16_to_f32, block_sum, f32_to_bf16
 
 # The simulator runs one Python thread per CUDA thread: keep its blocks small.
 # NOTE: 1024 threads on the GPU: at decode one row is the whole grid, so the more threads share it, the fewer
@@ -40,11 +46,12 @@ THREADS = 64 if SIMULATOR else 1024
 
 
 @lru_cache(maxsize=None)
-def _rmsnorm_kernel(fused: bool, h: int, threads: int):
+def _rmsnorm_kernel(fused: bool, h: int, threads: int, pieces: int = 0):
+    """pieces: 0 (no planes output), 1 or 3 (out's bf16 planes as well, see the module docstring)."""
     C = -(-h // threads)   # columns per thread
 
-    @cuda.jit
-    def rmsnorm_kernel(x, residual, weight, eps, out):
+    @cuda.jit(device=True, inline=True)
+    def body(x, residual, weight, eps, out, planes):
         scratch = cuda.shared.array(32, float32)
         w = cuda.local.array(C, float32)
         v = cuda.local.array(C, float32)
@@ -68,10 +75,30 @@ def _rmsnorm_kernel(fused: bool, h: int, threads: int):
             squares += value * value
         # NOTE: fp32 accumulation of the squares, as the reference; eps inside the square root.
         inv_rms = float32(1) / math.sqrt(block_sum(squares, scratch) / float32(h) + float32(eps))
+        size = out.shape[0] * h
         for i in range(C):
             col = tid + i * threads
             if col < h:
-                out[row, col] = v[i] * inv_rms * w[i]
+                result = v[i] * inv_rms * w[i]
+                out[row, col] = result
+                if pieces == 1:
+                    planes[row * h + col] = f32_to_bf16(result)
+                elif pieces == 3:
+                    hi, mid, lo = split_bf16x3(result)
+                    planes[row * h + col] = uint16(hi)
+                    planes[size + row * h + col] = uint16(mid)
+                    planes[2 * size + row * h + col] = uint16(lo)
+
+    if pieces:
+        @cuda.jit
+        def rmsnorm_planes_kernel(x, residual, weight, eps, out, planes):
+            body(x, residual, weight, eps, out, planes)
+
+        return rmsnorm_planes_kernel
+
+    @cuda.jit
+    def rmsnorm_kernel(x, residual, weight, eps, out):
+        body(x, residual, weight, eps, out, weight)   # (no planes: their stores are compiled out)
 
     return rmsnorm_kernel
 
@@ -80,22 +107,31 @@ def _rmsnorm_kernel(fused: bool, h: int, threads: int):
 # launchers
 
 
-def rmsnorm(x, weight, eps, out, stream=0):
-    """out (T, H) float32 <- rmsnorm of x (T, H) float32 with bf16 weight (H,)."""
+def rmsnorm(x, weight, eps, out, stream=0, planes=None, bf16_inputs: bool = False):
+    """out (T, H) float32 <- rmsnorm of x (T, H) float32 with bf16 weight (H,). planes: also out's bf16 planes
+    (one, rounded, with bf16_inputs; else the three of the bf16x3 split) into this uint16 workspace."""
     _check_shapes(x, weight, out)
-    if x.shape[0]:
-        launch(_rmsnorm_kernel(False, x.shape[1], THREADS), x.shape[0], THREADS, stream, x, x, weight, eps, out,
-               dependent=True)
+    _launch(False, x, x, weight, eps, out, stream, planes, bf16_inputs)
 
 
-def fused_add_rmsnorm(x, residual, weight, eps, out, stream=0):
-    """residual += x in place; out <- rmsnorm(residual). All (T, H) float32; weight (H,) bf16."""
+def fused_add_rmsnorm(x, residual, weight, eps, out, stream=0, planes=None, bf16_inputs: bool = False):
+    """residual += x in place; out <- rmsnorm(residual). All (T, H) float32; weight (H,) bf16. planes: as
+    rmsnorm's."""
     _check_shapes(x, weight, out)
     if residual.shape != x.shape or residual.dtype.name != "float32":
         raise ValueError(f"residual: expected {tuple(x.shape)} float32, got {tuple(residual.shape)} {residual.dtype}")
-    if x.shape[0]:
-        launch(_rmsnorm_kernel(True, x.shape[1], THREADS), x.shape[0], THREADS, stream, x, residual, weight, eps,
-               out, dependent=True)
+    _launch(True, x, residual, weight, eps, out, stream, planes, bf16_inputs)
+
+
+def _launch(fused, x, residual, weight, eps, out, stream, planes, bf16_inputs):
+    t, h = x.shape
+    pieces = 0 if planes is None else (1 if bf16_inputs else 3)
+    if planes is not None and (planes.dtype.name != "uint16" or planes.ndim != 1 or planes.shape[0] < pieces * t * h):
+        raise ValueError(f"planes: expected a 1-D uint16 workspace of at least {pieces * t * h} elements, got "
+                         f"{tuple(planes.shape)} {planes.dtype}")
+    if t:
+        args = (x, residual, weight, eps, out) + ((planes,) if pieces else ())
+        launch(_rmsnorm_kernel(fused, h, THREADS, pieces), t, THREADS, stream, *args, dependent=True)
 
 
 def _check_shapes(x, weight, out):

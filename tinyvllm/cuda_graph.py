@@ -22,10 +22,20 @@ from numba import cuda
 from tinyvllm.cuda_driver import driver, ok, stream_handle
 
 
+_captures = 0
+
+
+def captures() -> int:
+    """How many graphs this process has captured (a warm-up captures them all; none should follow)."""
+    return _captures
+
+
 class CUDAGraph:
     """The launches `record(stream)` makes on `stream`, captured once and replayable on that stream."""
 
     def __init__(self, record: Callable[[object], None], stream):
+        global _captures
+        _captures += 1
         drv = driver()
         self.stream = stream
         self._handle = stream_handle(stream)

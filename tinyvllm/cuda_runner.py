@@ -219,14 +219,19 @@ class CUDARunner:
         if chained:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
+        # where the QKV and gate/up GEMMs run gemm_pipelined, the norms before them write h's bf16 planes too
+        planes_qkv = self._planes_for(t, c.q_size + 2 * c.kv_size, False)
+        planes_mlp = self._planes_for(t, 2 * c.intermediate_size, True)
         for i, layer in enumerate(self.layers):
             if i == 0:
-                rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream)
+                rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream, planes_qkv, self.bf16_inputs)
             else:
-                rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream)
+                rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream, planes_qkv,
+                                          self.bf16_inputs)
             matmul.matmul_rope_kv_write(h, layer["qkv"], pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
                                         slots, q, p["qkv"], stream, bf16_inputs=self.bf16_inputs,
-                                        workspace=self.planes, split_workspace=self.split_workspace)
+                                        workspace=self.planes, split_workspace=self.split_workspace,
+                                        planes_ready=planes_qkv is not None)
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
                                                 stream, workspace=self.attn_workspace)
@@ -234,9 +239,11 @@ class CUDARunner:
                 self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
                                        self.scale, attn, max_q_len, stream)
             mm(p["attn_rows"], layer["o"], sub, stream)
-            rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream)
+            rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream, planes_mlp,
+                                      self.bf16_inputs)
             matmul.mlp(h, layer["gate_up"], layer["down"], sub, act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
-                       workspace=self.planes, act_planes=p["act_planes"], split_workspace=self.split_workspace)
+                       workspace=self.planes, act_planes=p["act_planes"], split_workspace=self.split_workspace,
+                       planes_ready=planes_mlp is not None)
         if n == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
@@ -248,6 +255,12 @@ class CUDARunner:
         else:
             sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
                             stream, workspace=self.sample_workspace)
+
+    def _planes_for(self, t: int, n: int, gated: bool):
+        """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) runs gemm_pipelined
+        (which then reads h's planes, written by the norm before it), else None."""
+        plan = matmul.pipelined_plan(t, n, self.config.hidden_size, self.bf16_inputs, gated, self.split_workspace)
+        return self.planes if plan else None
 
     def _prefixes(self, t: int, n: int) -> dict:
         """The first t rows of the token buffers and the first n of the sampled-row ones, as device arrays."""

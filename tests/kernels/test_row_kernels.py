@@ -11,6 +11,7 @@ from cuda_kernels import activation, embedding, rmsnorm, rope
 from reference import activation as ref_activation
 from reference import embedding as ref_embedding
 from reference import rmsnorm as ref_rmsnorm
+from reference.matmul import bf16_planes as reference_bf16_planes
 from reference import rope as ref_rope
 from reference.bf16 import bf16_to_f32, f32_to_bf16
 from reference.kv_cache import allocate_kv_cache
@@ -82,6 +83,33 @@ def test_fused_add_rmsnorm_updates_residual_in_place(seed, t, h):
     want_out, want_res = ref_rmsnorm.fused_add_rmsnorm(x, r, w, 1e-5)
     assert_close(d_res, want_res, atol=0, rtol=0)
     assert_close(out, want_out, atol=1e-30, rtol=norm_tolerance(h))
+
+
+@given(seeds, tokens, hidden, st.booleans(), st.booleans())
+def test_rmsnorm_writes_the_planes_of_its_output(seed, t, h, fused, bf16_inputs):
+    """v2: the normed rows as the next GEMM's bf16 planes, exactly reference.matmul.bf16_planes of the
+    kernel's own float32 output; the output itself as v1's; the workspace past the planes untouched."""
+    rng = np.random.default_rng(seed)
+    x, r = rng.standard_normal((2, t, h), dtype=np.float32)
+    w = f32_to_bf16(rng.standard_normal(h, dtype=np.float32))
+    p = 1 if bf16_inputs else 3
+    planes = to_device(np.full(p * t * h + 5, 0xBEEF, np.uint16))
+    out = device_empty((t, h), np.float32)
+    if fused:
+        rmsnorm.fused_add_rmsnorm(to_device(x), to_device(r), to_device(w), 1e-5, out, planes=planes,
+                                  bf16_inputs=bf16_inputs)
+        want = ref_rmsnorm.fused_add_rmsnorm(x, r, w, 1e-5)[0]
+    else:
+        rmsnorm.rmsnorm(to_device(x), to_device(w), 1e-5, out, planes=planes, bf16_inputs=bf16_inputs)
+        want = ref_rmsnorm.rmsnorm(x, w, 1e-5)
+    got = out.copy_to_host()
+    assert_close(got, want, atol=1e-30, rtol=norm_tolerance(h))
+    written = planes.copy_to_host()
+    np.testing.assert_array_equal(written[:p * t * h], reference_bf16_planes(got, bf16_inputs).ravel())
+    assert (written[p * t * h:] == 0xBEEF).all()
+    with pytest.raises(ValueError, match="planes: expected a 1-D uint16 workspace of at least"):
+        rmsnorm.rmsnorm(to_device(x), to_device(w), 1e-5, out, planes=planes[:p * t * h - 1],
+                        bf16_inputs=bf16_inputs)
 
 
 def test_rmsnorm_rows_are_independent():

@@ -1,0 +1,106 @@
+"""cuda_kernels/kernel_cache.py: kernels kept on disk between processes. The keys must be the same in every
+process for the same kernel and configuration and differ between configurations (else a new process would
+compile everything again, or load the wrong code); entries must round-trip and a damaged one be ignored.
+On a GPU, a second process loads every kernel of a generate run from the cache and gives the same tokens."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuda_kernels import kernel_cache
+
+REPO = Path(__file__).resolve().parents[2]
+GPU = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "gpu"
+
+# Kernel factories of several families and configurations, built with Numba's real CUDA target (no GPU is
+# needed to build a dispatcher); each value is the text its cache key hashes.
+KEY_TEXTS = r"""
+import json, os
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+from cuda_kernels import kernel_cache, gemm_pipelined as gp, matmul as mm, rmsnorm, paged_attention as pa
+kernels = {
+    "pipelined 16 split": gp._gemm_kernel(16, 128, 64, 16, 32, 4, 0, 1, False, False, True),
+    "pipelined 16 split 3 stages": gp._gemm_kernel(16, 128, 64, 16, 32, 3, 0, 1, False, False, True),
+    "pipelined 16 no split": gp._gemm_kernel(16, 128, 64, 16, 32, 4, 0, 1, False, False, False),
+    "pipelined gated planes": gp._gemm_kernel(64, 128, 64, 32, 32, 4, 0, 3, True, True, True),
+    "rmsnorm": rmsnorm._rmsnorm_kernel(True, 2048, 1024),
+    "rmsnorm planes": rmsnorm._rmsnorm_kernel(True, 2048, 1024, 1),
+    "rmsnorm 576": rmsnorm._rmsnorm_kernel(True, 576, 1024),
+    "planes": gp._planes_kernel(True),
+    "gemv": mm._gemv_kernel(1, 4, 4, 4, 2, True, False),
+    "gemv rope": mm._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64),
+}
+print(json.dumps({name: kernel_cache._stable(k) for name, k in kernels.items()}))
+"""
+
+
+def key_texts() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, "-c", KEY_TEXTS], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_keys_are_stable_across_processes_and_tell_configurations_apart():
+    first, second = key_texts(), key_texts()
+    assert first == second
+    assert None not in first.values(), [name for name, text in first.items() if text is None]
+    assert len(set(first.values())) == len(first)   # every configuration its own key
+    assert "0x" not in "".join(first.values())       # no object addresses
+
+
+def test_entries_round_trip_and_damage_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYVLLM_KERNEL_CACHE", str(tmp_path))
+    cubin = bytes(range(256)) * 3
+    kernel_cache.store("abc", "_Z6kernelPf", cubin)
+    assert kernel_cache.load("abc") == ("_Z6kernelPf", cubin)
+    assert kernel_cache.load("other") is None
+    (tmp_path / "abc.cubin").write_bytes(b"TVKC1")   # truncated
+    assert kernel_cache.load("abc") is None
+    (tmp_path / "abc.cubin").write_bytes(b"garbage" * 10)
+    assert kernel_cache.load("abc") is None
+    assert not list(tmp_path.glob("*.tmp"))          # writes leave no temporary files
+    monkeypatch.setenv("TINYVLLM_KERNEL_CACHE", "0")
+    assert kernel_cache.directory() is None
+    kernel_cache.store("abc", "x", cubin)              # off: nothing written, nothing read
+    assert kernel_cache.load("abc") is None
+
+
+def test_the_default_directory_is_in_tinyvllms_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("TINYVLLM_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path))
+    assert kernel_cache.directory() == tmp_path / "kernels"
+
+
+GENERATE = r"""
+import json, sys
+from cuda_kernels import launch
+from tinyvllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], backend="cuda", num_kv_blocks=64, max_num_seqs=4)
+out = llm.generate([[256, 1, 2, 3], [256, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                   use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in out], "compiled": launch.compiled(),
+                  "prepared": launch.prepared()}))
+"""
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
+def test_a_second_process_loads_every_kernel_from_the_cache(tiny_model_dir, tmp_path):
+    env = {**os.environ, "TINYVLLM_KERNEL_CACHE": str(tmp_path / "kernels"), "PYTHONPATH": str(REPO)}
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", GENERATE, str(tiny_model_dir)], capture_output=True, text=True,
+                              env=env, cwd=REPO, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["compiled"] > 10 and first["compiled"] == first["prepared"]
+    assert second["compiled"] == 0 and second["prepared"] == first["prepared"]
+    assert second["tokens"] == first["tokens"]
