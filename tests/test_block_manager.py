@@ -1,5 +1,6 @@
 """The block manager and scheduler as state machines under hypothesis: no block ever leaks or is shared
-wrongly, whatever sequence of admissions, steps, preemptions and aborts happens."""
+wrongly, whatever sequence of admissions, steps, preemptions and aborts happens, with requests of n > 1
+completions forked at their first token (their shared blocks copied on write, never written shared)."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -27,13 +28,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
         self.finished: list[Sequence] = []
 
-    @rule(prompt=token_lists, max_tokens=st.integers(1, 12))
-    def add(self, prompt, max_tokens):
-        if len(prompt) + max_tokens > self.capacity:  # the engine's max_model_len check
+    @rule(prompt=token_lists, max_tokens=st.integers(1, 12), n=st.sampled_from([1, 1, 2, 3]))
+    def add(self, prompt, max_tokens, n):
+        if len(prompt) + max_tokens > self.capacity or n > self.scheduler.max_num_seqs:  # the engine's checks
             return
-        seq = Sequence(str(len(self.live) + len(self.finished)), prompt, SamplingParams(max_tokens=max_tokens), 0)
-        self.live.append(seq)
-        self.scheduler.add(seq)
+        rid = str(len(self.live) + len(self.finished))
+        seqs = [Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n), 0, index=i) for i in range(n)]
+        seqs[0].forks = seqs[1:]
+        self.live.extend(seqs)
+        self.scheduler.add(seqs[0])
 
     @precondition(lambda self: self.scheduler.has_unfinished())
     @rule()
@@ -43,26 +46,44 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(s.num_new_tokens for s in scheduled) <= self.scheduler.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
         assert len({id(s.seq) for s in scheduled}) == len(scheduled)
+        assert sum(1 + len(s.seq.forks) for s in scheduled if s.samples) <= self.scheduler.max_num_seqs
+        bs = self.bm.block_size
         for item in scheduled:
             seq = item.seq
-            # every token about to be computed has a slot in the sequence's own blocks
-            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + item.num_new_tokens
+            # every token about to be computed has a slot in the sequence's own blocks, none of them shared
+            assert len(seq.block_table) * bs >= seq.num_computed_tokens + item.num_new_tokens
+            first, last = seq.num_computed_tokens // bs, (seq.num_computed_tokens + item.num_new_tokens - 1) // bs
+            assert all(self.bm.blocks[b].ref_count == 1 for b in seq.block_table[first:last + 1])
+            if item.copy is not None:  # copy-on-write: the fresh block replaced the shared one
+                assert seq.block_table[first] == item.copy[1] and self.bm.blocks[item.copy[0]].ref_count >= 1
             samples = item.samples
             seq.num_computed_tokens += item.num_new_tokens
             if samples:
                 seq.output_token_ids.append(1)
+                if seq.forks:  # as the engine does: completions 1..n-1 draw their first tokens now
+                    forks = list(seq.forks)
+                    self.scheduler.add_forks(seq, forks)
+                    assert all(f.block_table == seq.block_table for f in forks)
+                    for fork in forks:
+                        fork.output_token_ids.append(1)
+                        self._finish_if_done(fork)
             self.bm.register_full_blocks(seq)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                self.scheduler.finish(seq, "length")
-                self.live.remove(seq)
-                self.finished.append(seq)
+            self._finish_if_done(seq)
+
+    def _finish_if_done(self, seq):
+        if len(seq.output_token_ids) >= seq.params.max_tokens and not seq.is_finished:
+            self.scheduler.finish(seq, "length")
+            self.live.remove(seq)
+            self.finished.append(seq)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
     def abort(self, index):
-        seq = self.live.pop(index % len(self.live))
-        self.scheduler.finish(seq, "abort")
-        self.finished.append(seq)
+        rid = self.live[index % len(self.live)].request_id
+        for seq in [s for s in self.live if s.request_id == rid]:  # the whole request, completion 0 first
+            self.live.remove(seq)
+            self.scheduler.finish(seq, "abort")
+            self.finished.append(seq)
 
     @invariant()
     def blocks_are_accounted_for(self):
@@ -77,6 +98,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert (block.ref_count == 0) == (block.block_id in self.bm.free)
         used = sum(1 for r in refs if r)
         assert used + self.bm.num_free_blocks == self.bm.num_blocks
+        slots = sum(1 + len(s.forks) for s in self.scheduler.running)
+        assert self.scheduler.num_slots == slots <= self.scheduler.max_num_seqs
         for seq in self.finished:
             assert not seq.block_table
 
@@ -154,3 +177,28 @@ def test_a_static_batch_fills_over_several_steps_then_closes():
             assert len(scheduled) == 5 and all(item.num_new_tokens == 1 for item in scheduled)
             scheduler.add(later)  # the batch is complete and decoding: it waits for the batch to drain
     assert scheduler.running == seqs + [late] and list(scheduler.waiting) == [later]
+
+
+def test_forked_completions_share_the_prompt_and_copy_the_last_block_on_write():
+    bm = BlockManager(20, 4)
+    scheduler = Scheduler(bm, 8, 64)
+    params = SamplingParams(n=3, max_tokens=4)
+    seqs = [Sequence("r", list(range(10)), params, 0, index=i) for i in range(3)]   # 10 tokens: 2 full + 2
+    seqs[0].forks = seqs[1:]
+    scheduler.add(seqs[0])
+    [item] = scheduler.schedule()
+    assert scheduler.num_slots == 3 and item.copy is None and len(seqs[0].block_table) == 3
+    seqs[0].num_computed_tokens += item.num_new_tokens
+    scheduler.add_forks(seqs[0], seqs[1:])
+    assert [bm.blocks[b].ref_count for b in seqs[0].block_table] == [3, 3, 3] and bm.num_free_blocks == 17
+    for s in seqs:
+        s.output_token_ids.append(5)
+    decode = scheduler.schedule()   # each writes token 10 into the shared last block
+    copies = [item.copy for item in decode]
+    last = seqs[2].block_table[2]
+    assert copies[2] is None and [c[0] for c in copies[:2]] == [last, last]   # the last holder writes in place
+    assert [s.block_table[:2] for s in seqs] == [seqs[0].block_table[:2]] * 3  # full blocks stay shared
+    assert bm.blocks[last].ref_count == 1 and bm.num_free_blocks == 15
+    for s in seqs:
+        scheduler.finish(s, "length")
+    assert bm.num_free_blocks == 20 and scheduler.num_slots == 0

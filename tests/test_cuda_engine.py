@@ -59,6 +59,84 @@ def test_auto_matmul_precision_is_bf16_on_the_cuda_engine_and_fp32_on_the_cpu(ti
                matmul_precision="fp32").engine.runner.matmul_precision == "fp32"
 
 
+# --- sampling parameters: penalties, logit_bias, min_tokens, logprobs, prompt_logprobs, n ----------------------
+
+def feature_requests():
+    """Requests that use every sampling feature, batched with ones that use none (tests/test_sampling_features.py
+    checks each against its definition on the CPU backend)."""
+    eos = 259
+    prompts = [[256, 1, 2, 3, 4, 5], [256, 40, 41], [256] + [17] * 5, [256, 60, 61, 62], [256, 9, 8]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),                                   # none
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, repetition_penalty=1.8, presence_penalty=0.5,
+                       frequency_penalty=0.7, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=3, ignore_eos=True),               # none
+        SamplingParams(temperature=0.9, seed=3, max_tokens=3, min_tokens=2, logit_bias={eos: 50.0, 7: 3.0},
+                       logprobs=0),
+        SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=3, ignore_eos=True, presence_penalty=-1.0)]
+    return prompts, params
+
+
+def assert_same_outputs(got, want, tol, exact_ids=True):
+    """Same tokens; logprobs with the same ids and ranks and values within tol (the two backends' logits differ
+    by summation order and the bf16 KV roundings that order flips). exact_ids False (a large vocabulary, where
+    near ties can swap places): the chosen token's entry and the common ids' values only."""
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        pairs = [(a, b) for cg, cw in zip(g.outputs, w.outputs) if cw.logprobs for a, b in zip(cg.logprobs,
+                                                                                                 cw.logprobs)]
+        pairs += list(zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])) if w.prompt_logprobs else []
+        assert pairs or not any(c.logprobs for c in w.outputs)
+        for a, b in pairs:
+            if exact_ids:
+                assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            assert next(iter(a)) == next(iter(b))  # the chosen (or prompt) token
+            assert all(abs(a[t].logprob - b[t].logprob) <= tol for t in a.keys() & b.keys()), (a, b)
+
+
+@pytest.mark.skipif(GPU, reason="the simulator version of the GPU test below")
+def test_sampling_features_in_the_simulator_equal_the_cpu_reference(tiny_model_dir, monkeypatch):
+    """Penalties (a greedy row among them), logit_bias and min_tokens, logprobs and prompt_logprobs, n = 2 with a
+    partly filled shared block (copy-on-write on the device), batched with rows that use none of them, with
+    async scheduling's look-ahead (a penalised row's pending token counted on the device): the CPU backend's
+    tokens and logprobs, and step by step the same processed logits (both engines schedule the same steps)."""
+    import cuda_kernels.penalties
+    import tinyvllm.sampler
+    import tinyvllm.step_inputs
+
+    processed = {"cpu": [], "cuda": []}
+    on_cpu, on_gpu = tinyvllm.sampler.apply_penalties, cuda_kernels.penalties.apply_penalties
+
+    def cpu_penalties(*args):
+        processed["cpu"].append(on_cpu(*args))
+        return processed["cpu"][-1]
+
+    def gpu_penalties(logits, *args):
+        on_gpu(logits, *args)
+        processed["cuda"].append(logits.copy_to_host())
+
+    monkeypatch.setattr(tinyvllm.sampler, "apply_penalties", cpu_penalties)
+    monkeypatch.setattr(cuda_kernels.penalties, "apply_penalties", gpu_penalties)
+    monkeypatch.setattr(tinyvllm.step_inputs, "DEFAULT_ENTRY_CAPACITY", 4)   # the runner grows its entry buffers
+    prompts, params = feature_requests()
+    options = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=32, num_kv_blocks=16, matmul_precision="fp32")
+    cpu = LLM(tiny_model_dir, backend="cpu", **options)
+    gpu = LLM(tiny_model_dir, backend="cuda", **options)
+    got = gpu.generate(prompts, params, use_tqdm=False)
+    want = cpu.generate(prompts, params, use_tqdm=False)
+    # 2^-8 of the tiny model's largest logits (about 8) for the two logits a log-probability differs by
+    tol = 2 * 2 ** -8 * 8
+    assert_same_outputs(got, want, tol)
+    assert len(processed["cuda"]) == len(processed["cpu"]) == 3   # every step has a penalised row
+    for a, b in zip(processed["cuda"], processed["cpu"]):
+        assert ((a == -np.inf) == (b == -np.inf)).all()
+        np.testing.assert_allclose(a[np.isfinite(b)], b[np.isfinite(b)], rtol=0, atol=tol)
+    assert [len(c.token_ids) for o in got for c in o.outputs] == [3, 3, 3, 3, 3, 3]
+    assert got[3].outputs[0].token_ids[2] == 259 and got[1].prompt_logprobs[0] is None
+    bm = gpu.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and gpu.engine.runner.inputs.entry_capacity > 4
+
+
 # --- on the GPU, Llama-3.2-1B shapes ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -159,6 +237,35 @@ def test_greedy_tokens_match_the_cpu_reference(llama_1b, gpu_llm):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
+def test_sampling_features_through_graphs_equal_eager_and_the_cpu_reference(llama_1b, gpu_llm):
+    """Penalties, logit_bias, min_tokens, logprobs, prompt_logprobs and n = 3 on Llama-3.2-1B shapes, batched with
+    plain requests: decode steps replayed from CUDA graphs (captured with the penalties and logprobs kernels,
+    the penalty entries in the step inputs) give exactly the eager launches' tokens and logprobs, and the CPU
+    reference's tokens and logprobs (within summation-order differences)."""
+    rng = np.random.default_rng(8)
+    eos = 128009
+    prompts = [rng.integers(0, 10000, int(n)).tolist() for n in (40, 17, 9, 66, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.5, frequency_penalty=0.4, logprobs=5, prompt_logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=4, min_tokens=3, logit_bias={eos: 30.0, 11: 5.0},
+                             logprobs=1),
+              SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, frequency_penalty=1.0)]
+    eager = LLM(llama_1b, backend="cuda", enforce_eager=True, num_kv_blocks=512, matmul_precision="fp32")
+    got = gpu_llm.generate(prompts, params, use_tqdm=False)
+    want = eager.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert [(c.token_ids, c.logprobs) for c in g.outputs] == [(c.token_ids, c.logprobs) for c in w.outputs]
+        assert g.prompt_logprobs == w.prompt_logprobs
+    modes = {mode for _, _, mode in gpu_llm.engine.runner.graphs}
+    assert any(m.penalties and m.logprobs for m in modes), modes
+    cpu = LLM(llama_1b, backend="cpu", num_kv_blocks=128)
+    want = cpu.generate(prompts[:2], params[:2], use_tqdm=False)
+    assert_same_outputs(got[:2], want, tol=0.05, exact_ids=False)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
 def test_default_model_shapes_give_the_cpu_reference_tokens(tmp_path_factory):
     """The shapes of the default model, which `tinyvllm generate` runs on a GPU through graphs: hidden 576
     (not a multiple of 128), 9 query heads over 3 KV heads, FFN 1,536, 30 layers, vocabulary 49,152, tied
@@ -191,8 +298,8 @@ def test_cuda_graphs_give_the_eager_tokens(llama_1b, gpu_llm):
                        SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)):
             assert tokens(gpu_llm.generate(prompts, params, use_tqdm=False)) == tokens(
                 eager.generate(prompts, params, use_tqdm=False))
-    keys = set(gpu_llm.engine.runner.graphs)  # (batch bucket, width bucket, greedy)
-    assert {(4, True), (4, False), (32, True), (32, False)} <= {(b, greedy) for b, _, greedy in keys}, keys
+    keys = set(gpu_llm.engine.runner.graphs)  # (batch bucket, width bucket, sampling mode)
+    assert {(4, True), (4, False), (32, True), (32, False)} <= {(b, mode.greedy) for b, _, mode in keys}, keys
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")

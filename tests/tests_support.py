@@ -3,4 +3,5 @@
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-GOLDEN_FRANCE = TESTS / "goldens" / "smollm2_capital_of_france.json"
+GOLDENS = TESTS / "goldens"
+GOLDEN_FRANCE = GOLDENS / "smollm2_capital_of_france.json"

@@ -10,6 +10,13 @@ up) instead of computing them again. A block whose reference count drops to zero
 the end of the free list, still registered, and can be revived by a later hit; blocks are reused for new
 data from the front of the free list, least recently freed first, and lose their registration then (LRU).
 
+Parallel sampling (a request with n > 1, the PagedAttention paper's scheme): when the first completion has
+computed the prompt, `fork` gives each other completion the same block table, every block's reference count
+going up by one. A block is written by one sequence only: before a step writes into a block that others
+still hold (the partly filled last block of the prompt), `allocate` gives the writer a fresh block and
+returns (shared, fresh) for the runner to copy first (copy-on-write); the last holder writes in place. So a
+prompt's blocks are stored once, and each completion owns only the blocks it writes.
+
 Invariants (checked by tests/test_block_manager.py under hypothesis): every block is either free (ref count
 0, in the free list) or used (ref count > 0, not in the free list); free + used == num_blocks; ref counts
 never go negative; a registered hash maps to a block whose tokens are exactly the hashed ones.
@@ -64,7 +71,9 @@ class BlockManager:
         (the model must run on the last token to produce the next one's logits).
         """
         assert not seq.block_table, "sequence already holds blocks"
-        if not self.enable_prefix_caching:
+        # NOTE: a sequence that wants prompt logprobs computes its whole prompt (vLLM does the same): a cached
+        # block's logits are gone
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0
         tokens = seq.all_token_ids
         parent = None
@@ -80,24 +89,58 @@ class BlockManager:
         seq.num_hashed_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= self.num_free_blocks
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """The index in seq's block table of the block its next token goes to, if other sequences hold it."""
+        b = seq.num_computed_tokens // self.block_size
+        if b < len(seq.block_table) and self.blocks[seq.block_table[b]].ref_count > 1:
+            return b
+        return None
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make room for the next `num_new_tokens` tokens of `seq` (call can_allocate first)."""
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks the next `num_new_tokens` tokens of `seq` take (a copy-on-write block included)."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed + (self._shared_write_block(seq) is not None)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int] | None:
+        """Make room for the next `num_new_tokens` tokens of `seq` (call can_allocate first). Returns the
+        (source, destination) block copy the runner must make before the step, or None: when the first new
+        token goes to a block other sequences hold, seq gets a private copy of it (copy-on-write)."""
+        needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"KV cache exhausted: need {needed} blocks, {self.num_free_blocks} free")
-        for _ in range(needed):
-            block_id = next(iter(self.free))   # least recently freed
-            block = self.blocks[block_id]
-            if block.hash is not None:         # evict its prefix-cache entry: its data is about to change
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                block.hash, block.token_ids = None, ()
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        copy = None
+        shared = self._shared_write_block(seq)
+        if shared is not None:
+            source, fresh = seq.block_table[shared], self._fresh()
+            self.blocks[source].ref_count -= 1   # still >= 1: the other holders keep it
+            seq.block_table[shared] = fresh
+            copy = (source, fresh)
+        for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._fresh())
+        return copy
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares all of parent's blocks and its computed tokens (a completion of the same prompt)."""
+        assert not child.block_table, "sequence already holds blocks"
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1   # in use already: never in the free list
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_hashed_blocks = parent.num_hashed_blocks
+
+    def _fresh(self) -> int:
+        """Take the least recently freed block for new data (its prefix-cache entry, if any, is dropped)."""
+        block_id = next(iter(self.free))
+        block = self.blocks[block_id]
+        if block.hash is not None:         # evict its prefix-cache entry: its data is about to change
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        self._take(block_id)
+        return block_id
 
     # -- after a step -----------------------------------------------------------------------------------
 

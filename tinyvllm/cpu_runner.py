@@ -6,8 +6,9 @@ import numpy as np
 
 from reference.embedding import chain_tokens
 from reference.llama import ReferenceLlama
-from reference.sampling import sample
-from tinyvllm.batch import pack
+from reference.kv_cache import copy_blocks
+from tinyvllm.batch import block_copies, pack
+from tinyvllm.sampler import sample_step, with_prompt_rows
 from tinyvllm.scheduler import ScheduledSequence
 
 # Host memory is plentiful but allocation of a huge NaN-filled pool is not free: a modest default.
@@ -35,17 +36,23 @@ class CPURunner:
             batch.token_ids = chain_tokens(batch.token_ids, self._last, chain_src)
         if len(batch.token_ids) and batch.token_ids.min() < 0:  # a PENDING id nothing chained (an engine bug)
             raise RuntimeError(f"step inputs hold unknown token ids: {batch.token_ids.tolist()}")
-        logits = self.model.forward(batch, self.kv)
-        if not len(batch.logits_indices):
-            return []
-        tokens = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                        sampling.uniform)
-        self._last = tokens.astype(np.int32)
-        return tokens.tolist()
+        copies = block_copies(scheduled)  # copy-on-write of shared blocks, before the step writes them
+        for cache in (*self.kv.k, *self.kv.v) if len(copies) else ():
+            copy_blocks(cache, copies)
+        logits = self.model.forward(with_prompt_rows(batch, sampling), self.kv)
+        if not len(logits):
+            return [], None
+        tokens, logprobs = sample_step(logits, batch, sampling)
+        self._last = tokens
+        return tokens.tolist(), logprobs
 
-    def collect(self, handle: list[int]) -> list[int]:
-        """The sampled tokens of a launched step, one per scheduled sequence that reached its last token."""
-        return handle
+    def collect(self, handle) -> list[int]:
+        """The sampled tokens of a launched step, one per sampled row (tinyvllm/batch.py)."""
+        return handle[0]
+
+    def collect_logprobs(self, handle):
+        """The step's logprobs (tinyvllm/sampler.StepLogprobs), or None when it asked for none."""
+        return handle[1]
 
     def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
         return self.collect(self.launch(scheduled))

@@ -13,7 +13,10 @@ KV cache takes what is left of `gpu_memory_utilization` of the card (reported on
    sizes written as the down GEMM's bf16 planes, matmul.mlp) -> down matmul] -> final residual + RMSNorm
    -> gather of the sampled rows -> LM head on those rows only; most of these kernels are launched with
    programmatic dependent launch (cuda_kernels/pdl.py), so each starts while the one before it finishes;
-3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids.
+3. samples on the GPU (argmax when every row is greedy) and copies back only the token ids; rows with
+   penalties, logit_bias or min_tokens masks are processed first (cuda_kernels/penalties.py), logprobs come
+   from the raw logits after the draw (cuda_kernels/logprobs.py: ids, values and ranks come back), and
+   prompt logprobs from the LM head run on the prompt rows that ask, max_num_seqs rows at a time.
 
 `launch` starts a step and returns; `collect` waits for its tokens. Between the two the engine may launch
 the next decode step, whose input ids are the samples still on the device (`chain_src`, see
@@ -31,24 +34,36 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
 from cuda_kernels import attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
+from cuda_kernels import kv_cache, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from numba import cuda
 
 from reference.rope import rope_tables
-from tinyvllm.batch import pack
+from tinyvllm.batch import block_copies, pack
 from tinyvllm.cuda_driver import PinnedCopy
 from tinyvllm.cuda_graph import CUDAGraph
+from tinyvllm.sampler import LOGPROB_WIDTH, StepLogprobs
 from tinyvllm.scheduler import ScheduledSequence
 from tinyvllm.step_inputs import StepInputs, StepShape
 
 # Without a real device to measure (the simulator), a small cache.
 SIMULATOR_KV_BLOCKS = 256
 PREFIX_CACHE_SIZES = 256   # (tokens, sampled rows) sizes whose buffer prefixes are kept
+
+
+class SamplingMode(NamedTuple):
+    """What a step's sampling runs: argmax (every row greedy) or the sampler; the penalties kernel first;
+    the logprobs kernel after. Part of a CUDA graph's key."""
+
+    greedy: bool
+    penalties: bool = False
+    logprobs: bool = False
 
 
 class CUDARunner:
@@ -124,6 +139,7 @@ class CUDARunner:
         self.argmax_workspace = empty(sampling.argmax_workspace_size(s, c.vocab_size), np.int32)
         # the split sample's histograms, row state and partials (sampling.sample_workspace_size)
         self.sample_workspace = empty(sampling.sample_workspace_size(s, c.vocab_size), np.uint64)
+        self._features: dict | None = None   # the penalties', logprobs' and block copies' buffers (_feature)
 
         per_block = 2 * c.num_layers * block_size * c.kv_size * 2
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
@@ -165,16 +181,24 @@ class CUDARunner:
         if t > self.max_tokens or s > self.max_seqs:
             raise RuntimeError(f"batch of {t} tokens / {s} sequences exceeds the runner's buffers "
                                f"({self.max_tokens} / {self.max_seqs})")
-        greedy = bool(np.all(sampling.temperature == 0))
+        mode = SamplingMode(bool(np.all(sampling.temperature == 0)), sampling.processes_logits,
+                            sampling.wants_logprobs)
+        m = sampling.num_prompt_rows
+        features = self._feature() if mode.penalties or mode.logprobs or m else None
+        copies = block_copies(scheduled)
+        if len(copies):
+            self._copy_blocks(copies)
+        if sampling.entries is not None and len(sampling.entries) > self.inputs.entry_capacity:
+            self._grow_entries(len(sampling.entries))
         width = batch.block_tables.shape[1]
         # A pure decode step (one new token per sequence, each sampled) runs as a CUDA graph, padded to
         # its bucket; anything else (prefill chunks, eager mode) launches kernel by kernel.
         key = None
-        if self.use_graphs and t == s == n:
+        if self.use_graphs and t == s == n and not m:
             b, w = _bucket(s, self.batch_buckets), _bucket(width, self.width_buckets)
-            key, shape = (b, w, greedy), StepShape(b, b, b, w)
+            key, shape = (b, w, mode), StepShape(b, b, b, w)
         else:
-            shape = StepShape(t, s, n, width)
+            shape = StepShape(t, s, n, width, m)
         self.inputs.write(shape, batch, sampling, chain_src)
         self.inputs.upload(shape, self.stream)
         graph = self.graphs.get(key)
@@ -182,7 +206,7 @@ class CUDARunner:
             graph.replay()
         else:
             max_q_len = int(np.diff(batch.cu_seqlens_q).max())
-            record = partial(self._forward, self.inputs.views(shape), shape, max_q_len, greedy)
+            record = partial(self._forward, self.inputs.views(shape), shape, max_q_len, mode)
             # compiles what the capture below needs, and runs this step
             record(self.stream, chained=chain_src is not None)
             if key is not None:
@@ -191,24 +215,30 @@ class CUDARunner:
         self._slot ^= 1
         if n:
             self.tokens_out[self._slot].to_host(4 * n)  # the samples, behind the step in the stream
+        logprob_rows = n if mode.logprobs else 0
+        if features is not None:
+            for copier, rows in zip(features["out"][self._slot], (logprob_rows,) * 3 + (m,) * 3):
+                if rows:  # ids, values, ranks: rows of each, behind the step in the stream
+                    copier.to_host(rows * copier.host.nbytes // len(copier.host))
         self.token_events[self._slot].record(self.stream)
-        return n, self._slot
+        return n, self._slot, logprob_rows, m
 
     def collect(self, handle) -> list[int]:
-        """Wait for a launched step; its sampled tokens, one per scheduled sequence that reached its end."""
-        n, slot = handle
+        """Wait for a launched step; its sampled tokens, one per sampled row (tinyvllm/batch.py)."""
+        n, slot = handle[:2]
         self.token_events[slot].synchronize()
         return self.tokens_host[slot][:n].tolist()
 
     def execute(self, scheduled: list[ScheduledSequence]) -> list[int]:
         return self.collect(self.launch(scheduled))
 
-    def _forward(self, v: dict, shape: StepShape, max_q_len: int, greedy: bool, stream, chained: bool) -> None:
+    def _forward(self, v: dict, shape: StepShape, max_q_len: int, mode: SamplingMode, stream, chained: bool) -> None:
         """Launch one step's kernels on `stream`: the model on shape.tokens tokens, then sampling. chained:
         first copy the previous step's samples into the input ids where chain_src says (always in a graph,
         which serves chained and unchained steps alike)."""
         c = self.config
-        t, _, n, _ = shape
+        t, _, n, _, m = shape
+        mode = mode if isinstance(mode, SamplingMode) else SamplingMode(bool(mode))
         ids, pos, slots, tables, ctx = (v[k] for k in ("token_ids", "positions", "slot_mapping", "block_tables",
                                                         "context_lens"))
         p = self._prefixes(t, n)
@@ -244,17 +274,48 @@ class CUDARunner:
             matmul.mlp(h, layer["gate_up"], layer["down"], sub, act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
                        workspace=self.planes, act_planes=p["act_planes"], split_workspace=self.split_workspace,
                        planes_ready=planes_mlp is not None)
-        if n == 0:
+        if n == 0 and m == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
+        if n:
+            self._sample(v, p, h, mm, mode, stream)
+        if m:
+            self._prompt_logprobs(v, m, h, mm, stream)
+
+    def _sample(self, v: dict, p: dict, h, mm, mode: SamplingMode, stream) -> None:
+        """The sampled rows: LM head, then (penalties ->) argmax or sample (-> raw logits back, logprobs)."""
         last, logits, tokens = p["last"], p["logits"], p["tokens"]
         embedding.gather_rows(h, v["logits_indices"], last, stream)
         mm(last, self.lm_head, logits, stream)
-        if greedy:
+        n = logits.shape[0]
+        f = self._feature_rows(n) if mode.penalties or mode.logprobs else None
+        undo = (v["entry_offsets"], v["entries"], self._features["saved"], f["extra_token"], f["extra_saved"]) \
+            if mode.penalties else None
+        if mode.penalties:
+            penalties.apply_penalties(logits, v["token_ids"], v["logits_indices"], v["pending"],
+                                      v["repetition_penalty"], v["presence_penalty"], v["frequency_penalty"], *undo,
+                                      stream)
+        if mode.greedy:
             sampling.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
         else:
             sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
                             stream, workspace=self.sample_workspace)
+        if mode.logprobs:
+            if mode.penalties:  # the logprobs are the model's own: the raw logits back first
+                penalties.restore_logits(logits, *undo, stream)
+            logprobs.top_logprobs(logits, tokens, v["num_logprobs"], *f["sampled"], stream)
+
+    def _prompt_logprobs(self, v: dict, m: int, h, mm, stream) -> None:
+        """LM head and logprobs of the m prompt rows that ask (prompt_logprobs), max_num_seqs rows at a time
+        through the sampled rows' buffers (this runs after their sampling, in stream order)."""
+        out = self._features["prompt"]
+        for start in range(0, m, self.max_seqs):
+            end = min(m, start + self.max_seqs)
+            last, logits = self.last[: end - start], self.logits[: end - start]
+            embedding.gather_rows(h, v["prompt_rows"][start:end], last, stream)
+            mm(last, self.lm_head, logits, stream)
+            logprobs.top_logprobs(logits, v["prompt_targets"][start:end], v["prompt_num_logprobs"][start:end],
+                                  *(a[start:end] for a in out), stream)
 
     def _planes_for(self, t: int, n: int, gated: bool):
         """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) runs gemm_pipelined
@@ -275,6 +336,64 @@ class CUDARunner:
         p["act_planes"] = self.act_planes[:gemm_pipelined.pieces(self.bf16_inputs) * t]
         p.update({name: getattr(self, name)[:n] for name in ("last", "logits", "tokens")})
         return p
+
+
+    # -- penalties, logprobs and block copies -----------------------------------------------------------------
+
+    def _feature(self) -> dict:
+        """The buffers of penalties, logprobs and copy-on-write, made by the first step that needs them:
+        the penalties' undo (saved: one logit per entry of the step inputs' capacity; extra_*: one per row),
+        the logprobs outputs of the sampled rows and of up to max_num_batched_tokens prompt rows, two pinned
+        host copies of those (a step's are read while the next step's are on their way), and the copy pairs."""
+        if self._features is None:
+            s, t, w, empty = self.max_seqs, self.max_tokens, LOGPROB_WIDTH, cuda.device_array
+            shapes = (((s, w), np.int32), ((s, w), np.float32), ((s,), np.int32),
+                      ((t, w), np.int32), ((t, w), np.float32), ((t,), np.int32))
+            device = [empty(shape, dtype) for shape, dtype in shapes]
+            hosts = [[cuda.pinned_array(shape, dtype) for shape, dtype in shapes] for _ in range(2)]
+            self._features = {
+                "saved": empty(self.inputs.entry_capacity, np.float32),
+                "extra_token": empty(s, np.int32), "extra_saved": empty(s, np.float32),
+                "sampled": tuple(device[:3]), "prompt": tuple(device[3:]), "hosts": hosts,
+                "out": [[PinnedCopy(hst, dev, self.stream) for hst, dev in zip(slot, device)] for slot in hosts],
+                "pairs": empty((s, 2), np.int32), "rows": {},
+            }
+        return self._features
+
+    def _feature_rows(self, n: int) -> dict:
+        """The first n rows of the per-row feature buffers, made once per n (see _prefixes)."""
+        rows = self._features["rows"]
+        if n not in rows:
+            f = self._features
+            rows[n] = {"extra_token": f["extra_token"][:n], "extra_saved": f["extra_saved"][:n],
+                       "sampled": tuple(a[:n] for a in f["sampled"])}
+        return rows[n]
+
+    def collect_logprobs(self, handle) -> StepLogprobs | None:
+        """The logprobs of a launched step (after collect): ids, values and ranks of its sampled rows and of
+        its prompt rows, copied out of the pinned buffers (the step after next reuses them)."""
+        _, slot, rows, m = handle
+        if not rows and not m:
+            return None
+        self.token_events[slot].synchronize()
+        host = self._features["hosts"][slot]
+        return StepLogprobs(sampled=tuple(a[:rows].copy() for a in host[:3]) if rows else None,
+                            prompt=tuple(a[:m].copy() for a in host[3:]) if m else None)
+
+    def _copy_blocks(self, pairs: np.ndarray) -> None:
+        """Copy-on-write before the step: blocks pairs[:, 1] <- pairs[:, 0] in every layer's K and V cache."""
+        d_pairs = self._feature()["pairs"][: len(pairs)]
+        d_pairs.copy_to_device(pairs, stream=self.stream)
+        for cache in (*self.k_cache, *self.v_cache):
+            kv_cache.copy_blocks(cache, d_pairs, self.stream)
+
+    def _grow_entries(self, entries: int) -> None:
+        """A step with more penalty entries than the step inputs hold: bigger buffers (after every queued step
+        is done with the old ones), and graphs captured again, since they hold the old buffers' addresses."""
+        self.stream.synchronize()
+        self.inputs.grow_entries(entries)
+        self._feature()["saved"] = cuda.device_array(self.inputs.entry_capacity, np.float32)
+        self.graphs.clear()
 
 
 def _bucket(size: int, buckets: tuple[int, ...]) -> int:

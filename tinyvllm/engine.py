@@ -18,6 +18,12 @@ launched before this step's tokens are read: its input ids are this step's sampl
 device (the runner's `chain_src`). The host then reads and processes this step's tokens while the next one
 runs. A sequence that stops on a stop token or string meanwhile has one token computed in vain, which is
 dropped. Until a step's tokens are read, the sequence holds a PENDING placeholder where each goes.
+
+A request with n > 1 is n sequences: the first computes the prompt, and in the step that draws its first
+token the other n - 1 draw theirs from the same logits and take shares of its KV blocks (tinyvllm/sequence.py,
+block_manager.py). Its RequestOutput holds the n completions. logprobs / prompt_logprobs come back from the
+runner beside the tokens (`collect_logprobs`) as token ids, log-probabilities and ranks; here they become
+vLLM's {token id: Logprob} dicts.
 """
 
 from __future__ import annotations
@@ -32,21 +38,28 @@ from pathlib import Path
 import numpy as np
 
 from reference.llama import MATMUL_PRECISIONS
+from tinyvllm.batch import prompt_logprob_range
 from tinyvllm.block_manager import BlockManager
 from tinyvllm.config import ModelConfig
 from tinyvllm.scheduler import ScheduledSequence, Scheduler
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.sequence import Sequence
+from tinyvllm.sequence import PENDING, Sequence
 from tinyvllm.text_stream import TextStream
 from tinyvllm.tokenizer import Tokenizer
 
 
-# An output token that was sampled on the device but not read back yet (async scheduling).
-PENDING = -1
-
-
 class RequestError(ValueError):
     """A request the engine cannot serve: empty, too long for the context, malformed."""
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (the model's log-softmax, before penalties and temperature), its rank
+    among the vocabulary (1 = most likely) and its text (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -55,6 +68,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None   # per token: itself and the N most likely (logprobs=N)
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -67,6 +82,7 @@ class RequestOutput:
     new_text: str = ""                       # text released by the step that produced this output
     num_cached_tokens: int = 0               # prompt tokens served by the prefix cache
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (the first: None)
 
     @property
     def text(self) -> str:
@@ -112,6 +128,9 @@ class _Launched:
     scheduled: list[ScheduledSequence]
     sampled: list[int | None]   # per scheduled sequence: the output index of the token it samples, or None
     handle: object
+    rows: list[tuple[Sequence, int]] = field(default_factory=list)  # per sampled row: its sequence, output index
+    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # prompt logprobs [first, stop)
+    wants_logprobs: bool = False
 
 
 class LLMEngine:
@@ -127,8 +146,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, options.max_num_seqs, options.max_num_batched_tokens,
                                    options.scheduler)
         self._streams: dict[int, TextStream] = {}
-        self._prompts: dict[int, str | None] = {}
-        self._by_request: dict[str, Sequence] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._by_request: dict[str, list[Sequence]] = {}   # a request's n sequences, completion 0 first
         self.num_generated_tokens = 0           # over the engine's life: progress bars read it
         self._inflight: _Launched | None = None  # a step launched ahead, its tokens not read yet
         self._ids = itertools.count()
@@ -177,22 +196,37 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens, but at most {self.max_model_len - 1} fit "
                                f"(max_model_len {self.max_model_len}: the model's context and the KV cache)")
+        vocab = self.config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise RequestError(f"SamplingParams.logit_bias has token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        if params.n > self.scheduler.max_num_seqs:
+            raise RequestError(f"SamplingParams.n is {params.n}, but at most max_num_seqs = "
+                               f"{self.scheduler.max_num_seqs} sequences run at once")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._by_request:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        seq = Sequence(request_id, ids, params, seed)
-        self._by_request[request_id] = seq
-        self._prompts[seq.seq_id] = text
-        self._streams[seq.seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
-        self.scheduler.add(seq)
+        # masked out of the draws until min_tokens (ids outside the vocabulary cannot be drawn anyway)
+        masked = tuple(sorted(t for t in self._stop_ids(params) if t < vocab)) if params.min_tokens else ()
+        seqs = []
+        for index in range(params.n):
+            # completion i of a seeded request draws from seed + i (vLLM's), so each has its own stream
+            seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(63)
+            seqs.append(Sequence(request_id, ids, params, seed, index=index, masked_ids=masked))
+            self._streams[seqs[-1].seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
+        seqs[0].forks = seqs[1:]
+        self._by_request[request_id] = seqs
+        self._prompts[request_id] = text
+        self.scheduler.add(seqs[0])
         return request_id
 
     def abort(self, request_id: str) -> None:
-        seq = self._by_request.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self._forget(seq)
+        seqs = self._by_request.get(request_id)
+        if seqs is not None:
+            for seq in seqs:  # completion 0 first: it frees the slots of forks it still holds
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+            self._forget(seqs[0])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -217,23 +251,43 @@ class LLMEngine:
 
     def _launch(self, scheduled: list[ScheduledSequence], chain_src=None) -> "_Launched":
         """Start a step on the runner and account for it: the sequences' new tokens are computed (their KV
-        is written in stream order) and each sampling sequence gets a PENDING output token."""
+        is written in stream order) and each sampling sequence gets a PENDING output token. A sequence that
+        draws its first token with completions still to fork has them draw theirs from its row, and forks them
+        (they share its blocks from then on)."""
+        for item in scheduled:
+            if item.seq.forks and item.samples:
+                item.forks = list(item.seq.forks)
+        prompt_rows = [(item.seq, *prompt_logprob_range(item)) for item in scheduled
+                       if item.seq.params.prompt_logprobs is not None]
+        prompt_rows = [(seq, first, stop) for seq, first, stop in prompt_rows if stop > first]
         handle = self.runner.launch(scheduled, chain_src)
-        sampled = []
+        sampled, rows = [], []
         for item in scheduled:
             seq = item.seq
             samples = item.samples  # NOTE: before the accounting below, which changes what it reads
             seq.num_computed_tokens += item.num_new_tokens
             sampled.append(len(seq.output_token_ids) if samples else None)
             if samples:
+                rows.append((seq, len(seq.output_token_ids)))
                 seq.output_token_ids.append(PENDING)
-        return _Launched(scheduled, sampled, handle)
+            if item.forks:
+                self.scheduler.add_forks(seq, item.forks)
+                for child in item.forks:
+                    rows.append((child, 0))
+                    child.output_token_ids.append(PENDING)
+                    child.prompt_logprobs_next = len(child.prompt_token_ids)  # completion 0 reports them
+        for seq, _, stop in prompt_rows:
+            seq.prompt_logprobs_next = stop
+        wants = bool(prompt_rows) or any(seq.logprobs is not None for seq, _ in rows)
+        return _Launched(scheduled, sampled, handle, rows, prompt_rows, wants)
 
     def _launch_next_decode(self, current: "_Launched") -> "_Launched | None":
         """Launch the step after `current` before its tokens are known, when that step can only be the decode
         of the same sequences (see the module docstring); None when it cannot be sure."""
         if any(index is None for index in current.sampled):
             return None  # a prefill chunk that samples nothing: the next step is the scheduler's to choose
+        if len(current.rows) != len(current.scheduled):
+            return None  # completions were forked: they are new to the scheduler's running list
         seqs, rows = [], []
         for row, (item, index) in enumerate(zip(current.scheduled, current.sampled)):
             if not self._ends_by_length(item.seq, index + 1):
@@ -245,19 +299,21 @@ class LLMEngine:
         return self._launch(nxt, np.asarray(rows, np.int32))
 
     def _finish_step(self, current: "_Launched", tokens: list[int]) -> list[RequestOutput]:
-        """Put a step's sampled tokens in place, check stop conditions, release what finished."""
-        tokens = iter(tokens)
-        outputs = []
+        """Put a step's sampled tokens (and logprobs) in place, check stop conditions, release what finished."""
+        logprobs = self.runner.collect_logprobs(current.handle) if current.wants_logprobs else None
+        if current.prompt_rows:
+            self._add_prompt_logprobs(current.prompt_rows, logprobs)
         for item, index in zip(current.scheduled, current.sampled):
-            seq = item.seq
-            if index is None:
-                if not seq.is_finished:
-                    self.block_manager.register_full_blocks(seq)
-                continue
-            token = next(tokens)
+            if index is None and not item.seq.is_finished:
+                self.block_manager.register_full_blocks(item.seq)
+        changed: dict[str, str] = {}  # request id -> completion 0's new text, in the order of their rows
+        for row, ((seq, index), token) in enumerate(zip(current.rows, tokens)):
             if seq.is_finished:
                 continue  # stopped (or aborted) while this step ran: the token is not its
             seq.output_token_ids[index] = token
+            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+            if seq.logprobs is not None:
+                self._add_logprobs(seq, logprobs, row)
             count = index + 1
             self.num_generated_tokens += 1
             seq.last_token_time = time.perf_counter()
@@ -266,27 +322,62 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq)
             stream = self._streams[seq.seq_id]
             reason = self._stop_reason(seq, token, count)
-            new_text = "" if reason == "stop" else stream.push(token)  # a stop token adds no text
+            # a stop token adds no text; stop strings are looked for once min_tokens are out
+            new_text = "" if reason == "stop" else stream.push(token, check_stop=count > seq.params.min_tokens)
             if reason is None and stream.stopped:
                 reason = "stop"
             if reason is not None:
                 del seq.output_token_ids[count:]  # a token the next step samples for it is not its
                 new_text += stream.finish()
                 self.scheduler.finish(seq, reason)
-            elif stream.final_only:
-                continue
-            outputs.append(self._output(seq, new_text, count))
-            if reason is not None:
-                self._forget(seq)
+            text = changed.get(seq.request_id, "")
+            changed[seq.request_id] = text + new_text if seq.index == 0 else text
+        outputs = []
+        for request_id, new_text in changed.items():
+            seqs = self._by_request[request_id]
+            finished = all(seq.is_finished for seq in seqs)
+            if finished or not self._streams[seqs[0].seq_id].final_only:
+                outputs.append(self._output(seqs, new_text))
+            if finished:
+                self._forget(seqs[0])
         return outputs
 
-    def _stop_ids(self, seq: Sequence) -> set[int]:
-        ids = set(seq.params.stop_token_ids)
-        return ids if seq.params.ignore_eos else ids | self._eos
+    def _decoded(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _logprob_dict(self, ids, values, rank: int, num: int) -> dict[int, Logprob]:
+        """vLLM's dict for one position: the chosen token (its own rank), then the num most likely (ranks 1..num;
+        one of them may be the chosen token again, which then keeps that entry)."""
+        out = {int(ids[0]): Logprob(float(values[0]), int(rank), self._decoded(int(ids[0])))}
+        for k in range(num):
+            token = int(ids[1 + k])
+            if token < 0:  # the vocabulary is smaller than num
+                break
+            out[token] = Logprob(float(values[1 + k]), k + 1, self._decoded(token))
+        return out
+
+    def _add_logprobs(self, seq: Sequence, logprobs, row: int) -> None:
+        ids, values, ranks = logprobs.sampled
+        seq.logprobs.append(self._logprob_dict(ids[row], values[row], ranks[row], seq.params.logprobs))
+        seq.cumulative_logprob += float(values[row, 0])
+
+    def _add_prompt_logprobs(self, prompt_rows, logprobs) -> None:
+        ids, values, ranks = logprobs.prompt
+        row = 0
+        for seq, first, stop in prompt_rows:
+            for position in range(first, stop):  # the logits at `position` predict prompt token position + 1
+                assert len(seq.prompt_logprobs) == position + 1
+                seq.prompt_logprobs.append(self._logprob_dict(ids[row], values[row], ranks[row],
+                                                              seq.params.prompt_logprobs))
+                row += 1
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        return ids if params.ignore_eos else ids | self._eos
 
     def _stop_reason(self, seq: Sequence, token: int, count: int) -> str | None:
         """Why `seq` ends with `token` as its count-th output token, or None."""
-        if count > seq.params.min_tokens and token in self._stop_ids(seq):
+        if count > seq.params.min_tokens and token in self._stop_ids(seq.params):
             return "stop"
         return "length" if self._ends_by_length(seq, count) else None
 
@@ -294,17 +385,30 @@ class LLMEngine:
         """Whether `seq` is done once it has `count` output tokens, whatever they are."""
         return count >= seq.params.max_tokens or len(seq.prompt_token_ids) + count >= self.max_model_len
 
-    def _output(self, seq: Sequence, new_text: str, count: int) -> RequestOutput:
-        stream = self._streams[seq.seq_id]
+    def _output(self, seqs: list[Sequence], new_text: str) -> RequestOutput:
+        """The request's state: its n completions, each up to its last token read back. new_text: what this
+        step released of completion 0 (for n > 1 each completion's text is in outputs[i].text)."""
+        completions = []
+        for seq in seqs:
+            count = len(seq.output_token_ids)
+            while count and seq.output_token_ids[count - 1] == PENDING:  # launched, not read back yet
+                count -= 1
+            completions.append(CompletionOutput(
+                seq.index, self._streams[seq.seq_id].text, seq.output_token_ids[:count], seq.finish_reason,
+                None if seq.logprobs is None else seq.logprobs[:count], seq.cumulative_logprob))
+        first = seqs[0]
+        last_times = [seq.last_token_time for seq in seqs if seq.last_token_time is not None]
         return RequestOutput(
-            request_id=seq.request_id, prompt=self._prompts[seq.seq_id], prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, stream.text, seq.output_token_ids[:count], seq.finish_reason)],
-            finished=seq.is_finished, new_text=new_text, num_cached_tokens=seq.num_cached_prompt_tokens,
-            metrics={"preemptions": seq.num_preemptions, "arrival_time": seq.arrival_time,
-                     "first_token_time": seq.first_token_time, "last_token_time": seq.last_token_time})
+            request_id=first.request_id, prompt=self._prompts[first.request_id],
+            prompt_token_ids=first.prompt_token_ids, outputs=completions,
+            finished=all(seq.is_finished for seq in seqs), new_text=new_text,
+            num_cached_tokens=first.num_cached_prompt_tokens, prompt_logprobs=first.prompt_logprobs,
+            metrics={"preemptions": sum(seq.num_preemptions for seq in seqs), "arrival_time": first.arrival_time,
+                     "first_token_time": first.first_token_time,
+                     "last_token_time": max(last_times) if last_times else None})
 
-    def _forget(self, seq: Sequence) -> None:
-        self._streams.pop(seq.seq_id, None)
-        self._prompts.pop(seq.seq_id, None)
-        self._by_request.pop(seq.request_id, None)
+    def _forget(self, first: Sequence) -> None:
+        for seq in self._by_request.pop(first.request_id, [first]):
+            self._streams.pop(seq.seq_id, None)
+        self._prompts.pop(first.request_id, None)
 

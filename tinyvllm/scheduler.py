@@ -11,6 +11,10 @@ is preempted: its blocks are freed and it goes back to the front of the queue, t
 (recomputation rather than swapping, as vLLM does by default). The engine keeps every sequence within
 max_model_len <= the cache's capacity, so a sequence alone always fits and the loop always makes progress.
 
+A request with n > 1 takes n sequence slots from its admission on (its first completion holds the other n - 1
+in `forks` until the engine forks them at its first token), so the step that forks never exceeds
+max_num_seqs sampled rows.
+
 Static batching (`policy="static"`, for comparison and teaching): a batch is admitted only when the previous
 one has completely finished, and then runs until its longest member ends.
 """
@@ -18,7 +22,7 @@ one has completely finished, and then runs until its longest member ends.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyvllm.block_manager import BlockManager
 from tinyvllm.sequence import Sequence, SequenceStatus
@@ -28,6 +32,8 @@ from tinyvllm.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int          # tokens fed to the model for this sequence in this step
+    copy: tuple[int, int] | None = None   # (source, destination) block to copy before the step (copy-on-write)
+    forks: list[Sequence] = field(default_factory=list)  # completions that draw their first token from this row
 
     @property
     def samples(self) -> bool:
@@ -49,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_slots = 0     # sequence slots the running sequences take (with their forks to come)
         self._forming = True   # static policy: the current batch still admits sequences
 
     def add(self, seq: Sequence) -> None:
@@ -70,8 +77,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, n):
                 self._preempt(self.running.pop(i))  # it is the youngest: it waits for the others to finish
                 continue
-            self.blocks.allocate(seq, n)
-            scheduled.append(ScheduledSequence(seq, n))
+            scheduled.append(ScheduledSequence(seq, n, self.blocks.allocate(seq, n)))
             budget -= n
             i += 1
         # 2. waiting sequences. A static batch forms once the previous one has drained; it keeps admitting over
@@ -80,7 +86,7 @@ class Scheduler:
             self._forming = self._forming or not self.running
             if not self._forming:
                 return scheduled
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_slots + 1 + len(self.waiting[0].forks) <= self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 seq.num_computed_tokens = self.blocks.allocate_cached_prefix(seq)
@@ -93,10 +99,11 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)
+            copy = self.blocks.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSequence(seq, n))
+            self.num_slots += 1 + len(seq.forks)
+            scheduled.append(ScheduledSequence(seq, n, copy))
             budget -= n
         if self.policy == "static" and budget > 0:  # admission stopped, and not for the budget: batch complete
             self._forming = False
@@ -113,23 +120,34 @@ class Scheduler:
         if len(self.running) != len(seqs) + num_ending or len(seqs) > self.max_num_batched_tokens:
             return None
         admits = self.policy == "continuous" or self._forming
-        if self.waiting and admits and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens):
+        slots = self.num_slots - num_ending
+        if self.waiting and admits and (len(seqs) < self.max_num_batched_tokens and
+                                        slots + 1 + len(self.waiting[0].forks) <= self.max_num_seqs):
             return None
         running = iter(self.running)
         if not all(any(seq is r for r in running) for seq in seqs):  # in running's order
             return None
         blocks = self.blocks
-        needed = sum(blocks.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table) for seq in seqs)
+        needed = sum(blocks.blocks_needed(seq, 1) for seq in seqs)
         if needed > blocks.num_free_blocks:
             return None
-        for seq in seqs:
-            blocks.allocate(seq, 1)
-        return [ScheduledSequence(seq, 1) for seq in seqs]
+        return [ScheduledSequence(seq, 1, blocks.allocate(seq, 1)) for seq in seqs]
+
+    def add_forks(self, parent: Sequence, children: list[Sequence]) -> None:
+        """The completions parent held in its forks start running beside it, sharing its blocks (the engine
+        calls this in the step that draws their first tokens); the slots were taken at admission."""
+        assert parent.forks == children and parent in self.running
+        for child in children:
+            self.blocks.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+        self.running.extend(children)
+        parent.forks = []
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (stop, length or abort), wherever it is, and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self.num_slots -= 1 + len(seq.forks)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
@@ -137,6 +155,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_slots -= 1 + len(seq.forks)
         self.blocks.free_sequence(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -28,12 +28,13 @@ class TextStream:
         self.text = ""          # everything released so far
         self.stopped = False    # a stop string was found
 
-    def push(self, token_id: int) -> str:
-        """The text that is now safe to show after `token_id` (may be ""; always "" when deferred)."""
+    def push(self, token_id: int, check_stop: bool = True) -> str:
+        """The text that is now safe to show after `token_id` (may be ""; always "" when deferred).
+        check_stop False (the engine, before min_tokens): stop strings are not looked for in this piece."""
         if self._deferred:
             self._detok.append(token_id)
             return ""
-        return self._release(self._detok.push(token_id), final=False)
+        return self._release(self._detok.push(token_id), final=False, check_stop=check_stop)
 
     def finish(self) -> str:
         """Whatever was held back, at the end of generation, less an incomplete UTF-8 character at its end.
@@ -46,16 +47,16 @@ class TextStream:
         """
         return self._release(self._detok.flush().rstrip(INCOMPLETE), final=True)
 
-    def _release(self, piece: str, final: bool) -> str:
+    def _release(self, piece: str, final: bool, check_stop: bool = True) -> str:
         if self.stopped:
             return ""
         self._pending += piece
-        for stop in self._stop:
+        for stop in self._stop if check_stop else ():
             at = self._pending.find(stop)
             if at >= 0:
                 self._pending = self._pending[:at]
                 self.stopped = True
-        hold = 0 if self.stopped or final else self._partial_stop_length()
+        hold = 0 if self.stopped or final or not check_stop else self._partial_stop_length()
         cut = len(self._pending) - hold
         out, self._pending = self._pending[:cut], self._pending[cut:]
         self.text += out

@@ -5,7 +5,9 @@
 The default model (SmolLM2-135M-Instruct, converted from its GGUF by tinyvllm.default_model) is run by
 transformers on the CPU with float32 compute over the bf16 weights, greedily, on the ChatML prompt for
 "What is the capital of France?" rendered by transformers' own apply_chat_template. The result goes to
-tests/goldens/smollm2_capital_of_france.json.
+tests/goldens/smollm2_capital_of_france.json. A second golden, tests/goldens/smollm2_repetition_penalty.json,
+is the same model's greedy answer to REPETITION_QUESTION under generate(repetition_penalty=REPETITION_PENALTY)
+(Hugging Face's RepetitionPenaltyLogitsProcessor, whose rule the engine's repetition_penalty follows).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from tinyvllm.default_model import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_NAME, DEFAU
 QUESTION = "What is the capital of France?"
 MAX_NEW_TOKENS = 32
 GOLDEN = REPO / "tests" / "goldens" / "smollm2_capital_of_france.json"
+REPETITION_QUESTION = "List some colours."
+REPETITION_PENALTY = 1.3
+REPETITION_GOLDEN = REPO / "tests" / "goldens" / "smollm2_repetition_penalty.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +87,25 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(golden, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{args.out}: {text!r} ({len(generated)} tokens)")
+
+    messages = [{"role": "user", "content": REPETITION_QUESTION}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    with torch.no_grad():
+        mask = torch.ones(1, len(prompt_ids), dtype=torch.long)
+        output = model.generate(torch.tensor([prompt_ids]), attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS,
+                                do_sample=False, eos_token_id=eos, repetition_penalty=REPETITION_PENALTY,
+                                pad_token_id=model.generation_config.pad_token_id)
+    generated = output[0, len(prompt_ids):].tolist()
+    text = tokenizer.decode(generated, skip_special_tokens=False)
+    repetition = {**golden, "messages": messages, "prompt": REPETITION_QUESTION, "prompt_token_ids": prompt_ids,
+                  "repetition_penalty": REPETITION_PENALTY, "generated_token_ids": generated, "text": text,
+                  "how": golden["how"].replace("do_sample=False", f"do_sample=False, repetition_penalty="
+                                                                  f"{REPETITION_PENALTY}")}
+    for key in ("prompt_text", "user_text_token_ids"):
+        repetition.pop(key)
+    REPETITION_GOLDEN.write_text(json.dumps(repetition, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{REPETITION_GOLDEN}: {text!r} ({len(generated)} tokens)")
     return 0
 
 
