@@ -58,6 +58,18 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="generate at least N tokens: EOS and stop tokens masked, stop strings not looked for")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide (multiply if negative) the logits of prompt and output tokens by R (default 1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="subtract P from the logits of tokens already generated, in [-2, 2] (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F times its count from each generated token's logit, in [-2, 2] (default 0)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's log-probability and the N most likely alternatives (to stderr)")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="generate N completions of the prompt (generate only; printed one after the other)")
     p.add_argument("--system", metavar="TEXT", help="a system message for the chat template")
 
 
@@ -124,7 +136,9 @@ def _params(args):
     from tinyvllm.sampling_params import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, min_tokens=args.min_tokens,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, n=args.n)
 
 
 def _load(args):
@@ -180,13 +194,37 @@ def run_generate(args) -> int:
     else:
         request = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]
-    _, final = _stream(llm, request, params)
+    final = _completions(llm, request, params) if params.n > 1 else _stream(llm, request, params)[1]
+    if params.logprobs is not None:
+        _print_logprobs(final)
     _summary(llm, final)
     return 0
 
 
+def _completions(llm, prompt, params):
+    """n completions of one prompt, printed one after the other once all are done; returns the output."""
+    final = llm.generate([prompt], params, use_tqdm=False)[0]
+    for c in final.outputs:
+        sys.stdout.write(f"--- completion {c.index + 1} of {len(final.outputs)} ({c.finish_reason}) ---\n{c.text}\n")
+    sys.stdout.flush()
+    return final
+
+
+def _print_logprobs(final) -> None:
+    """Each generated token's log-probability and rank, then the most likely alternatives, to stderr."""
+    for c in final.outputs:
+        print(f"logprobs of completion {c.index + 1}:" if len(final.outputs) > 1 else "logprobs:", file=sys.stderr)
+        for token, entry in zip(c.token_ids, c.logprobs):
+            chosen = entry[token]
+            others = ", ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for t, lp in entry.items() if t != token)
+            print(f"  {chosen.decoded_token!r:>16} {chosen.logprob:9.4f}  rank {chosen.rank:<6}"
+                  + (f" | {others}" if others else ""), file=sys.stderr)
+
+
 def run_chat(args) -> int:
     params = _params(args)
+    if params.n > 1:
+        raise UserFacingError("--n above 1 works with generate, not chat (a conversation continues one reply)")
     llm = _load(args)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
