@@ -1,5 +1,6 @@
 """The command line, on the embedded default model (against HF transformers' tokens) and a tiny random one."""
 
+import io
 import json
 import os
 import subprocess
@@ -53,15 +54,31 @@ def test_chat_keeps_the_conversation(tiny_model_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--temperature", "-1"], "SamplingParams.temperature must be >= 0"),
-    (["--top-p", "0"], "SamplingParams.top_p must be in (0, 1]"),
-    (["--max-tokens", "0"], "SamplingParams.max_tokens must be at least 1"),
-    (["--block-size", "12"], "block_size must be a power of two, got 12"),
+    (["--temperature", "-1"], "--temperature must be >= 0 (0 means greedy), got -1.0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-k", "-2"], "--top-k must be -1 or 0 (off) or a positive integer, got -2"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--block-size", "12"], "--block-size must be a power of two, got 12"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
 ])
-def test_cli_errors_are_one_clear_line(capsys, tiny_model_dir, args, message):
+def test_cli_errors_are_one_clear_line_naming_the_flag(capsys, tiny_model_dir, args, message):
     code, out, err = run_cli(capsys, "generate", "hi", "--model", str(tiny_model_dir), *args)
     assert code == 1 and out == ""
-    assert err.startswith("tinyvllm: error: ") and message in err and "Traceback" not in err
+    assert err == f"tinyvllm: error: {message}\n"   # the flag typed, not a Python field or a hidden option
+
+
+@pytest.mark.parametrize("at_a_terminal", [True, False])
+def test_generate_says_it_reads_stdin_only_at_a_terminal(capsys, monkeypatch, tiny_model_dir, at_a_terminal):
+    class Stdin(io.StringIO):
+        def isatty(self):
+            return at_a_terminal
+
+    monkeypatch.setattr(sys, "stdin", Stdin("Hello"))
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--backend", "cpu", "--no-chat",
+                             "--max-tokens", "3")
+    assert code == 0 and "new tokens: 3 (length)" in err
+    hint = "tinyvllm: reading the prompt from stdin; end it with Ctrl-D (or pass it as an argument)\n"
+    assert err.startswith(hint) == at_a_terminal and (hint in err) == at_a_terminal
 
 
 def test_cli_model_errors(capsys, tmp_path, tiny_model_dir):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -128,8 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (UserFacingError, ConfigError, WeightsError, TokenizerError, SamplingParamsError, DefaultModelError,
             RequestError, BackendError) as exc:
-        print(f"tinyvllm: error: {exc}", file=sys.stderr)
+        print(f"tinyvllm: error: {_as_flags(str(exc), args)}", file=sys.stderr)
         return 1
+
+
+def _as_flags(message: str, args) -> str:
+    """The message with the options named as the user typed them: SamplingParams.max_tokens and block_size
+    become --max-tokens and --block-size (each flag is its Python name with dashes). A bare name is replaced
+    only when it has an underscore, so that prose ("the prompt", "the model") stays as it is."""
+    names = "|".join(sorted(vars(args), key=len, reverse=True))
+    pattern = rf"\bSamplingParams\.({names})\b|\b({'|'.join(n for n in vars(args) if '_' in n)})\b"
+    return re.sub(pattern, lambda m: "--" + (m[1] or m[2]).replace("_", "-"), message)
 
 
 def _params(args):
@@ -146,6 +156,8 @@ def _load(args):
 
     if args.model is not None and not args.model.is_dir():
         raise UserFacingError(f"--model {args.model}: not a directory")
+    if args.max_num_seqs < 1:  # the scheduler's own message names an option the CLI does not have
+        raise UserFacingError(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
     try:
         return LLM(args.model, backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
@@ -183,8 +195,16 @@ def _summary(llm, final) -> None:
           file=sys.stderr)
 
 
+def _read_prompt() -> str:
+    """The prompt from stdin. At a terminal, say so first: otherwise the command seems to hang."""
+    if sys.stdin.isatty():
+        print("tinyvllm: reading the prompt from stdin; end it with Ctrl-D (or pass it as an argument)",
+              file=sys.stderr)
+    return sys.stdin.read()
+
+
 def run_generate(args) -> int:
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = args.prompt if args.prompt is not None else _read_prompt()
     if not prompt.strip():
         raise UserFacingError("the prompt is empty")
     params = _params(args)
