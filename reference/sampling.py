@@ -9,7 +9,9 @@ Per row (one sequence), with probabilities p = softmax(logits / temperature):
   tokens whose p is at least p_(r).
 - min_p > 0: keep tokens whose p is at least min_p * max(p).
 - Then draw: with the kept tokens in vocabulary order and their cumulative sum C, the token is the first one
-  with C > u * C_total, for the uniform number u in [0, 1) supplied by the caller.
+  with C > u * C_total, for the uniform number u in [0, 1) supplied by the caller. Where nothing is kept (NaN
+  or infinite z: a temperature so small, or a penalty so extreme, that l / T overflows) the greedy token, as
+  the GPU kernel gives.
 
 Every filter is a threshold on p, with ties at the threshold kept, so the kept set does not depend on how a
 sort orders equal values: a GPU kernel can find the same thresholds by search instead of sorting. The
@@ -51,11 +53,15 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     for s in range(logits.shape[0]):
         if temperature[s] == 0:
             continue
-        kept = sampling_probs(logits[s], temperature[s], int(top_k[s]), float(top_p[s]), float(min_p[s]))
+        with np.errstate(invalid="ignore", over="ignore"):
+            kept = sampling_probs(logits[s], temperature[s], int(top_k[s]), float(top_p[s]), float(min_p[s]))
+        nonzero = np.flatnonzero(kept > 0)
+        if not nonzero.size:
+            continue  # nothing kept (NaN or infinite z: a tiny temperature, an extreme penalty): greedy, as the kernel
         cumulative = np.cumsum(kept)
         choice = int(np.searchsorted(cumulative, np.float32(uniform[s]) * cumulative[-1], side="right"))
         # u * total can round up to the total itself; the last kept token is then the draw.
-        tokens[s] = min(choice, int(np.flatnonzero(kept)[-1]))
+        tokens[s] = min(choice, int(nonzero[-1]))
     return tokens
 
 

@@ -309,3 +309,15 @@ def test_default_model_repetition_penalty_equals_transformers(default_model_dir)
     plain = llm.generate([golden["messages"]], SamplingParams(temperature=0, max_tokens=golden["max_new_tokens"]),
                          use_tqdm=False)[0]
     assert plain.outputs[0].token_ids != golden["generated_token_ids"]
+
+
+def test_rows_whose_logits_overflow_sample_greedily(tiny_model_dir):
+    """A temperature so small, or a repetition penalty so extreme, that some l / T is infinite leaves no
+    probability defined: the draw is the greedy token (the GPU kernel's documented fallback), not an error
+    (the server's fuzz test stopped the engine with one)."""
+    llm = LLM(tiny_model_dir, backend="cpu")
+    greedy = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    tiny = llm.generate(["Hi"], SamplingParams(temperature=1e-40, max_tokens=3, seed=1), use_tqdm=False)[0]
+    assert tiny.outputs[0].token_ids == greedy.token_ids
+    extreme = SamplingParams(temperature=1e-30, repetition_penalty=1e-30, max_tokens=3, seed=1)
+    assert len(llm.generate(["Hi"], extreme, use_tqdm=False)[0].outputs[0].token_ids) == 3
