@@ -217,9 +217,10 @@ class CUDARunner:
             self.tokens_out[self._slot].to_host(4 * n)  # the samples, behind the step in the stream
         logprob_rows = n if mode.logprobs else 0
         if features is not None:
-            for copier, rows in zip(features["out"][self._slot], (logprob_rows,) * 3 + (m,) * 3):
+            hosts, copiers = features["hosts"][self._slot], features["out"][self._slot]
+            for host, copier, rows in zip(hosts, copiers, (logprob_rows,) * 3 + (m,) * 3):
                 if rows:  # ids, values, ranks: rows of each, behind the step in the stream
-                    copier.to_host(rows * copier.host.nbytes // len(copier.host))
+                    copier.to_host(rows * host.nbytes // len(host))
         self.token_events[self._slot].record(self.stream)
         return n, self._slot, logprob_rows, m
 
