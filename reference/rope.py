@@ -46,7 +46,7 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.nd
     c = cos[positions][:, None, :]
     s = sin[positions][:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32, copy=False)
 
 
 def rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,

@@ -273,6 +273,31 @@ def test_prefill_attention_chunks_attend_to_their_whole_context(seed, chunks, gr
         close(got[cu[s]:cu[s + 1]], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tile", [1, 5, 16, None])
+def test_prefill_attention_in_query_tiles_equals_float64_softmax(monkeypatch, tile):
+    """Long chunks are attended QUERY_TILE queries at a time, each tile reading keys up to its last
+    position: with tiles that split the chunks anywhere (and the default, 128, over a 300-query chunk),
+    every query still attends causally to its whole context, in float64 as in one piece."""
+    if tile is not None:
+        monkeypatch.setattr("reference.paged_attention.QUERY_TILE", tile)
+    rng = np.random.default_rng(7)
+    chunks = [(300, 0), (37, 21), (1, 50), (16, 0)]          # (new queries, cached tokens before them)
+    contexts = [n + cached for n, cached in chunks]
+    group, hkv, d, scale = 3, 2, 8, 0.35
+    k_cache, v_cache, tables, ks, vs = scatter_into_cache(rng, contexts, 16, hkv, d)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
+    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
+    got = prefill_attention(q, k_cache, v_cache, tables, cu, np.array(contexts), scale)
+    for s, (n, cached) in enumerate(chunks):
+        k, v = ks[s].astype(np.float64), vs[s].astype(np.float64)
+        for i in range(n):
+            seen = cached + i + 1
+            for h in range(hkv * group):
+                scores = scale * k[:seen, h // group] @ q[cu[s] + i, h]
+                w = np.exp(scores - scores.max())
+                close(got[cu[s] + i, h], (w / w.sum()) @ v[:seen, h // group], rtol=1e-5, atol=1e-6)
+
+
 # --- sampling -----------------------------------------------------------------------------------------
 
 def test_greedy_takes_the_first_of_tied_maxima():
