@@ -138,7 +138,7 @@ def test_bf16_matmul_precision_batches_like_alone_and_is_validated(tiny_model_di
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
     assert llm.engine.runner.model.bf16_inputs
-    with pytest.raises(ValueError, match="matmul_precision must be one of"):
+    with pytest.raises(ValueError, match="matmul_precision must be .auto. or one of"):
         LLM(tiny_model_dir, backend="cpu", matmul_precision="tf32")
 
 
