@@ -29,30 +29,23 @@ def _ungroup(out: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray, scale: float) -> np.ndarray:
-    """q (Tq, Hq, d), k and v (Tk, Hkv, d) float32; q_positions (Tq,) -> (Tq, Hq, d) float32.
-
-    One KV head at a time: its G query heads are one (G * Tq, d) matrix, so the scores are a single matmul
-    against its keys, and a (G, Tq, Tk) block of scores is all that is held at once.
-    """
-    (tq, hq, d), (tk, hkv, _) = q.shape, k.shape
-    g = hq // hkv
+    """q (Tq, Hq, d), k and v (Tk, Hkv, d) float32; q_positions (Tq,) -> (Tq, Hq, d) float32."""
+    tk, hkv = k.shape[:2]
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     positions = np.asarray(q_positions)
-    first = int(positions.min())                 # keys before the first query are visible to every query
+    first = int(positions.min())                  # keys before the first query are visible to every query
     hidden = np.arange(first, tk)[None, :] > positions[:, None]       # (Tq, Tk - first): causally masked
-    out = np.empty((tq, hq, d), np.float32)
-    for h in range(hkv):
-        heads = slice(h * g, (h + 1) * g)
-        scores = (q[:, heads].transpose(1, 0, 2).reshape(g * tq, d) @ k[:, h].T).reshape(g, tq, tk)
-        scores *= np.float32(scale)
-        np.copyto(scores[:, :, first:], np.float32(-np.inf), where=hidden)
-        # NOTE: subtracting the row maximum keeps exp() in range; every query sees at least key 0, so the
-        # maximum is finite. The weights are normalised after the product with V, as the kernels do.
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        total = scores.sum(axis=-1, keepdims=True)                      # (G, Tq, 1)
-        out[:, heads] = ((scores @ v[:, h]) / total).transpose(1, 0, 2)
-    return out
+    # NOTE: one (Tq, d) @ (d, Tk) product per query head (a matrix-vector product when Tq = 1, as in decode).
+    scores = _group(q, hkv) @ k.transpose(1, 2, 0)[:, None]            # (Hkv, G, Tq, Tk)
+    scores *= np.float32(scale)
+    np.copyto(scores[..., first:], np.float32(-np.inf), where=hidden)
+    # NOTE: subtracting the row maximum keeps exp() in range; every query sees at least key 0, so the
+    # maximum is finite. The softmax is computed in place (the scores are a prefill's largest array), and
+    # its weights are normalised after the product with V, as the kernels do.
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    return _ungroup((scores @ v.transpose(1, 0, 2)[:, None]) / total)  # (Hkv, G, Tq, d) -> (Tq, Hq, d)
 
 
 def online_softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_positions: np.ndarray,

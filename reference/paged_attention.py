@@ -34,7 +34,8 @@ def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
 
 # A long chunk of queries is attended QUERY_TILE at a time: a tile reads only the keys up to its last
 # position (the later ones are masked for all of its rows), which skips half the work of a long prompt, and
-# its scores, G x QUERY_TILE x context floats for the G query heads of one KV head, stay a few MB.
+# its scores, Hq x QUERY_TILE x context floats, stay small (20 MB, not 685, for the default model's 9 heads
+# over 4,363 tokens).
 QUERY_TILE = 128
 
 
