@@ -1,12 +1,16 @@
 """tools/bench.py on the CPU backend with the tiny random model: real measured numbers, exactly the requested
-token counts, the markdown rows, and the peer skipped (with its reason) where torch cannot be imported. The
-kernels workload runs where the CUDA engine's kernels do (the simulator under the default test profile)."""
+token counts, the markdown rows, and the peers skipped (with their reasons) where torch cannot be imported. The
+kernels workload runs where the CUDA engine's kernels do (the simulator under the default test profile); step
+needs a GPU (its graph lookup is tested with a fake engine); startup runs the real CLI on the cpu backend and
+a fake command; the goal table is checked on made-up results at its thresholds. tests/test_torch_peer.py runs
+the PyTorch peer where torch is installed."""
 
 import dataclasses
 import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,8 +48,8 @@ def no_simulator(monkeypatch):
 def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, no_simulator, capsys):
     out_json, out_md, out_png = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "sweep.png"
     argv = ["all", "--quick", "--preset", "tiny", "--backend", "cpu", "--max-num-seqs", "4", "--sweep", "1,2",
-            "--model-dir", str(tmp_path / "model"), "--json", str(out_json), "--markdown", str(out_md),
-            "--plot", str(out_png)]
+            "--static-batches", "2,3", "--model-dir", str(tmp_path / "model"), "--json", str(out_json),
+            "--markdown", str(out_md), "--plot", str(out_png)]
     assert bench.main(argv) == 0
     r = json.loads(out_json.read_text())
     q = bench.QUICK
@@ -85,7 +89,35 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, no_simulator,
     assert (r["tinyvllm"]["throughput"]["continuous"]["requested_output_tokens"]
             == r["tinyvllm"]["throughput"]["static"]["requested_output_tokens"])
 
+    for batch in (2, 3):  # one static batch each, every request its static_new tokens, best of the runs
+        st = r["tinyvllm"]["static"][str(batch)]
+        assert st["batch"] == st["requests"] == batch and st["prompt_tokens"] == batch * q.static_prompt
+        assert st["output_tokens"] == st["requested_output_tokens"] == batch * q.static_new
+        assert len(st["runs_output_tok_s"]) == q.runs and st["output_tok_s"] == max(st["runs_output_tok_s"])
+    assert r["tinyvllm"]["step"] == {"skipped": "step not measured: it needs a GPU (backend cpu)"}
+    startup = r["tinyvllm"]["startup"]
+    assert startup["backend"] == "cpu" and "-m tinyvllm generate --backend cpu --model" in startup["command"]
+    assert [run["run"] for run in startup["runs"]] == ["first (cold kernel cache)",
+                                                       "second (kernels cached by the first)"]
+    assert all(0 < run["first_byte_s"] <= run["exit_s"] for run in startup["runs"])
+    stalls = r["tinyvllm"]["stalls"]
+    assert [p["requests"] for p in stalls["phases"]] == [*q.stall_batches, q.stall_singles]
+    assert all(p["steps"] > 0 and p["compiles"] == p["captures"] == 0 for p in stalls["phases"])  # cpu: none
+    assert stalls["worst_step_s"] == max(p["worst_step_s"] for p in stalls["phases"]) > 0
+    assert [g["workload"] for g in r["goals"]] == [
+        f"static batch 64, prompt {q.static_prompt} -> {q.static_new}",
+        f"static batch 256, prompt {q.static_prompt} -> {q.static_new}",
+        f"throughput: {q.num_requests} requests, prompts and outputs U[16, 128] / U[16, 64], continuous",
+        f"prefill {q.prefill_prompt} tokens (TTFT)", f"latency: batch 1, prompt {q.latency_prompt} -> {q.latency_new}",
+        "decode step at batch 16 vs batch 1", "decode step at batch 64 vs batch 1",
+        "`tinyvllm generate`, second process on the machine: process start to first token",
+        "compiles or graph captures after the engine reports ready, over a varied workload"]
+    measured = [g["value"] is not None for g in r["goals"]]
+    assert measured == [False, False, True, True, True, False, False, True, True]  # batches 64, 256 not run here
+    assert r["goals"][8]["met"] is True and r["goals"][8]["measured"].startswith("0 compiles, 0 captures")
+
     assert "torch" in r["peer"]["skipped"] and "not importable" in r["peer"]["skipped"]
+    assert r["torch_peer"]["skipped"].startswith("PyTorch peer not measured: torch is not importable here")
     assert r["tinyvllm"]["kernels"] == {
         "skipped": "kernels not measured: the cpu backend (--backend cpu) has no GPU kernels to time"}
 
@@ -95,7 +127,12 @@ def test_all_workloads_and_sweep_on_cpu(bench, tmp_path, no_torch, no_simulator,
     for line in (f"| latency: batch 1, prompt {q.latency_prompt}, {q.latency_new} new | decode tok/s |",
                  "| output tok/s, continuous |", "| output tok/s, static |",
                  f"| prefill: {q.prefill_prompt}-token prompt | time to first token (ms) |",
-                 f"{r['peer']['skipped']}.", f"{r['tinyvllm']['kernels']['skipped']}.",
+                 f"{r['peer']['skipped']}.", f"{r['torch_peer']['skipped']}.",
+                 f"{r['tinyvllm']['kernels']['skipped']}.", f"{r['tinyvllm']['step']['skipped']}.",
+                 "| goal workload | goal | tinyvllm | met | PyTorch compiled (ours) | HF transformers |",
+                 f"| static batch 3, prompt {q.static_prompt}, {q.static_new} new |  | "
+                 f"{bench._rate(r['tinyvllm']['static']['3']['output_tok_s'])} | - | - |  |  |",
+                 "| phase | requests | steps | compiles | captures | longest step (ms) |",
                  "| batch size | tinyvllm continuous | tinyvllm static | HF static batch |",
                  f"at 4,250 GB/s (not measured (no GPU here): the H200's device copy in GPU.md) = "
                  f"{r['tinyvllm']['roofline_tok_s']:,.0f} tok/s at batch 1."):
@@ -154,8 +191,9 @@ def test_failed_kernel_check_is_reported(bench):
                       "bytes": 6_000_000, "target_gb_s": 3500.0, "check": "FAILED: AssertionError: 3 outputs off"}
     timed = bench.kernel_row(case, 3500.0, 2e-6)
     assert timed["gb_s"] == pytest.approx(3000.0) and timed["met"] is False and timed["check"] == "passed"
-    results = {"config": {"matmul_precision": "fp32"},
-               "tinyvllm": {"kernels": {"device": "GPU", "cold_bytes": 1 << 20, "cases": [failed, timed]}}}
+    results = {"config": {"matmul_precision": "auto"},
+               "tinyvllm": {"kernels": {"device": "GPU", "cold_bytes": 1 << 20, "matmul_precision": "fp32",
+                                        "cases": [failed, timed]}}}
     rows = [line for line in bench.kernels_markdown(results) if line.startswith("| GEMV: O |")]
     assert rows == ["| GEMV: O | 1x8 @ 8x8^T | matmul: gemv (4, 2, 1, 1) | FAILED: AssertionError: 3 outputs off |  "
                     "| 3,500 | not measured |",
@@ -246,3 +284,202 @@ def test_warm_up_reaches_every_decode_batch_size(bench, tiny_model_dir, num_seqs
                                                                                              chain_src)
     bench.warm_up(llm, np.random.default_rng(0), num_seqs, 40, 200)
     assert set(range(1, num_seqs + 1)) <= set(sizes)  # 0 marks a step with a prefill in it
+
+
+def test_parse_args_presets_peers_and_static_batches(bench):
+    cfg, _ = bench.parse_args(["goals"])
+    assert cfg.workloads == list(bench.GOAL_WORKLOADS) == [
+        "latency", "throughput", "prefill", "static", "step", "startup", "stalls"]
+    assert cfg.peers == ["torch", "hf"] and cfg.static_batches == [16, 64, 256] and cfg.matmul_precision == "auto"
+    assert bench.parse_args(["all"])[0].workloads == list(bench.WORKLOADS)
+    assert bench.parse_args(["goals", "kernels"])[0].workloads == list(bench.WORKLOADS)
+    cfg, _ = bench.parse_args(["static", "--static-batches", "64,256", "--peers", "torch"])
+    assert cfg.workloads == ["static"] and cfg.static_batches == [64, 256] and cfg.peers == ["torch"]
+    assert bench.parse_args(["latency", "--peers", "none"])[0].peers == []
+    for bad in (["latency", "--peers", "vllm"], ["static", "--static-batches", "0"], ["goal"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_peer_skipped_says_why(bench):
+    cfg = bench.BenchConfig(workloads=["latency"], peers=["torch"])
+    assert bench.peer_skipped(cfg, "torch", bench.TORCH_PEER_WORKLOADS, "PyTorch peer") is None
+    assert bench.peer_skipped(cfg, "hf", bench.PEER_WORKLOADS, "HF peer") == "HF peer not measured: --peers torch"
+    only_stalls = bench.BenchConfig(workloads=["stalls"])
+    assert bench.peer_skipped(only_stalls, "torch", bench.TORCH_PEER_WORKLOADS, "PyTorch peer") == (
+        "PyTorch peer not measured: none of latency, prefill, static, step was asked for")
+    sweep = bench.BenchConfig(workloads=[], sweep=[4])  # the HF peer runs the sweep; the torch peer does not
+    assert bench.peer_skipped(sweep, "hf", bench.PEER_WORKLOADS, "HF peer") is None
+    assert bench.peer_skipped(sweep, "torch", bench.TORCH_PEER_WORKLOADS, "PyTorch peer") is not None
+
+
+def test_engine_plan_puts_static_batches_on_a_static_engine_that_holds_them(bench):
+    cfg = bench.BenchConfig(workloads=["throughput", "static"], max_num_seqs=256, static_batches=[16, 64, 256])
+    assert bench.engine_plan(cfg) == [
+        (("continuous", 256), [("throughput", None)]),
+        (("static", 256), [("throughput", None), ("static", 16), ("static", 64), ("static", 256)])]
+    bigger = bench.BenchConfig(workloads=["static"], max_num_seqs=64, static_batches=[16, 300])
+    assert bench.engine_plan(bigger) == [(("static", 300), [("static", 16), ("static", 300)])]
+
+
+def test_static_requests_are_seeded_per_batch(bench):
+    cfg = bench.BenchConfig(workloads=["static"])
+    a, b = bench.static_requests(cfg, 4, 1000), bench.static_requests(cfg, 4, 1000)
+    assert a == b and len(a) == 4 and len({tuple(p) for p, _ in a}) == 4
+    assert all(len(p) == 128 and n == 256 and max(p) < 1000 for p, n in a)
+    assert bench.static_requests(cfg, 5, 1000)[0] != a[0]
+
+
+def test_step_summary_ratios_against_the_smallest_batch(bench):
+    r = bench.step_summary({16: 3.0e-3, 1: 1.5e-3, 64: 4.5e-3}, 256)
+    assert list(r["batches"]) == ["1", "16", "64"] and r["context"] == 256
+    assert [v["ratio"] for v in r["batches"].values()] == pytest.approx([1.0, 2.0, 3.0])
+    assert r["summary"] == "batch 1 1.50 ms (1.00x), batch 16 3.00 ms (2.00x), batch 64 4.50 ms (3.00x)"
+
+
+def test_replayed_graph_is_the_last_decode_steps(bench, monkeypatch):
+    """profile_step.replayed_graph (what the step workload times) returns the graph the engine's last step
+    replayed, whatever graphs the runner holds, restores CUDAGraph.replay, and says so when none was replayed.
+    (The bench fixture puts tools/ on the path, as bench.py does.)"""
+    from tinyvllm.cuda_graph import CUDAGraph
+    from tools import profile_step
+
+    monkeypatch.setattr(CUDAGraph, "replay", lambda graph: None)  # no driver here: the original does nothing
+    graphs = {(b, 16, True): object.__new__(CUDAGraph) for b in (1, 2, 4)}
+
+    class Engine:
+        def __init__(self, decode_batch):
+            self.steps, self.requests, self.decode_batch = 0, [], decode_batch
+            self.runner = type("Runner", (), {"graphs": graphs})()
+
+        def add_request(self, prompt, params, final_only):
+            self.requests.append((len(prompt), params.max_tokens))
+
+        def step(self):
+            self.steps += 1
+            if self.decode_batch and self.steps > 2:  # two prefill steps, then decode steps replay a graph
+                graphs[(self.decode_batch, 16, True)].replay()
+
+    replay = CUDAGraph.replay
+    engine = Engine(decode_batch=2)
+    graph = profile_step.replayed_graph(engine, 2, 40)
+    assert graph is graphs[(2, 16, True)] and profile_step.graph_key(engine.runner, graph) == (2, 16, True)
+    assert engine.requests == [(40, 32), (40, 32)] and engine.steps == 10 and CUDAGraph.replay is replay
+    assert profile_step.graph_key(engine.runner, object.__new__(CUDAGraph)) is None
+    with pytest.raises(RuntimeError, match="batch 3: no decode step replayed a CUDA graph"):
+        profile_step.replayed_graph(Engine(decode_batch=None), 3, 40)
+    assert CUDAGraph.replay is replay
+
+
+def test_stall_phases_cover_the_sizes_ends_and_both_samplings(bench):
+    s = bench.Sizes()
+    phases = bench.stall_phases(s, 0, 10000)
+    names = [name for name, _ in phases]
+    assert names == ["batch 1, greedy", "batch 3, greedy and sampled", "batch 17, greedy",
+                     "batch 64, greedy and sampled", "batch 200, greedy",
+                     "4 single requests in a row, prompts 3000 down to 5"]
+    for (name, waves), batch in zip(phases[:5], s.stall_batches):
+        (wave,) = waves
+        lengths = [len(p) for p, _ in wave]
+        assert len(wave) == batch and lengths[0] == 3000 and (batch == 1 or lengths[1] == 5)
+        assert all(5 <= n <= 3000 for n in lengths)
+        sampled = [params.temperature > 0 for _, params in wave]
+        assert any(sampled) == ("sampled" in name) and not all(sampled)
+        assert all(16 <= params.max_tokens <= 64 and params.ignore_eos for _, params in wave)
+    singles = phases[5][1]
+    assert [len(wave) for wave in singles] == [1] * 4
+    assert [len(wave[0][0]) for wave in singles] == [3000, 356, 42, 5]
+    assert [wave[0][1].temperature > 0 for wave in singles] == [False, True, False, True]
+    again = bench.stall_phases(s, 0, 10000)  # seeded: the same prompts and lengths
+    assert [[(p, sp.max_tokens) for p, sp in w] for _, ws in again for w in ws] == \
+        [[(p, sp.max_tokens) for p, sp in w] for _, ws in phases for w in ws]
+
+
+def test_stalls_count_compiles_and_captures_after_ready(bench, tiny_model_dir, monkeypatch):
+    """The counters' deltas per phase and in total (faked: the cpu backend has neither), and the goal row."""
+    counts = iter([(5, 1), (5, 1), (7, 1), (7, 1), (7, 3), (7, 3), (7, 3), (7, 3), (8, 3)])
+    monkeypatch.setattr(bench, "setup_counts", lambda backend: next(counts))
+    sizes = bench.Sizes(stall_batches=(1, 2, 3), stall_prompt_lens=(3, 40), stall_new=2, stall_singles=1)
+    cfg = bench.BenchConfig(workloads=["stalls"], sizes=sizes, model=tiny_model_dir, backend="cpu", max_num_seqs=4,
+                            peer=False)
+    r = bench.run_bench(cfg)
+    st = r["tinyvllm"]["stalls"]
+    assert r["errors"] == [] and (st["prepared_at_ready"], st["captures_at_ready"]) == (5, 1)
+    assert [(p["compiles"], p["captures"]) for p in st["phases"]] == [(2, 0), (0, 2), (0, 0), (1, 0)]
+    assert (st["compiles_after_ready"], st["captures_after_ready"]) == (3, 2)
+    goal = r["goals"][-1]
+    assert goal["value"] == 5 and goal["met"] is False and goal["measured"].startswith("3 compiles, 2 captures")
+    assert next(counts, None) is None
+
+
+def test_time_to_first_byte_of_a_command(bench):
+    """Timed from before Popen to the first stdout byte (the child sleeps 0.3 s first) and to the exit (0.3 s
+    later); a failing, silent or hanging command raises, naming the problem and the end of its stderr."""
+    env = dict(os.environ)
+    script = "import sys, time; time.sleep(0.3); sys.stdout.write('x'); sys.stdout.flush(); time.sleep(0.3)"
+    r = bench.time_to_first_byte([sys.executable, "-c", script], env, 30)
+    assert 0.3 <= r["first_byte_s"] < r["exit_s"] and r["exit_s"] - r["first_byte_s"] >= 0.25
+    with pytest.raises(RuntimeError, match=r"exited with 3; stderr ends:\nboom"):
+        failing = "import sys; print('a'); sys.stderr.write('boom'); sys.exit(3)"
+        bench.time_to_first_byte([sys.executable, "-c", failing], env, 30)
+    with pytest.raises(RuntimeError, match="printed nothing"):
+        bench.time_to_first_byte([sys.executable, "-c", "pass"], env, 30)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="did not finish within 1 s"):
+        bench.time_to_first_byte([sys.executable, "-c", "import time; print('a', flush=True); time.sleep(60)"],
+                                 env, 1)
+    assert time.perf_counter() - start < 10
+
+
+def made_up_results(bench, **ours) -> dict:
+    """Results with every goal's measurement (defaults), as run_bench records them, for goal_rows."""
+    sizes = dataclasses.asdict(bench.Sizes())
+    tinyvllm = {
+        "static": {"64": {"output_tok_s": 40_000.0}, "256": {"output_tok_s": 69_999.0}},
+        "throughput": {"continuous": {"output_tok_s": 35_000.0}},
+        "prefill": {"ttft_ms": 5.0},
+        "latency": {"decode_tok_s": 1_299.0, "roofline_fraction": 0.76},
+        "step": bench.step_summary({1: 1.0e-3, 16: 1.2e-3, 64: 1.51e-3}, 256),
+        "startup": {"runs": [{"first_byte_s": 35.0}, {"first_byte_s": 9.9}]},
+        "stalls": {"compiles_after_ready": 0, "captures_after_ready": 0, "worst_step_s": 0.25},
+    }
+    tinyvllm.update(ours)
+    torch_peer = {"torch": "2.11", "dtype": "bfloat16", "device": "cuda",
+                  "static": {"64": {"output_tok_s": 26_400.0}, "256": {"output_tok_s": 43_700.0}},
+                  "latency": {"decode_tok_s": 720.0},
+                  "prefill": {"ttft_ms": 5.7, "eager_ttft_ms": 12.1, "mode": "torch.compile reduce-overhead"},
+                  "step": bench.step_summary({1: 1.0e-3, 16: 1.1e-3, 64: 1.3e-3}, 128)}
+    hf = {"version": "5.17", "throughput": {"output_tok_s": 1_062.0, "subsample_short": "64 of 256 requests"},
+          "prefill": {"ttft_ms": 9.4}, "latency": {"static": {"decode_tok_s": 373.0}}}
+    return {"config": {"sizes": sizes}, "tinyvllm": tinyvllm, "torch_peer": torch_peer, "peer": hf}
+
+
+def test_goal_rows_at_their_thresholds(bench):
+    rows = bench.goal_rows(made_up_results(bench))
+    assert [(r["measured"], r["met"]) for r in rows] == [
+        ("40,000", True), ("69,999", False), ("35,000", True), ("5.00 ms", True), ("1,299 (76% of roofline)", False),
+        ("1.20x (1.20 ms)", True), ("1.51x (1.51 ms)", False), ("9.9 s (first, cold cache: 35.0 s)", True),
+        ("0 compiles, 0 captures (longest step 250 ms)", True)]
+    assert [r["torch"] for r in rows] == [
+        "26,400", "43,700", "-", "5.70 ms (torch.compile reduce-overhead; eager 12.10)", "720", "1.10x (1.10 ms)",
+        "1.30x (1.30 ms)", "-", "-"]
+    assert [r["hf"] for r in rows] == ["-", "-", "1,062 (generate_batch, 64 of 256 requests)", "9.40 ms (eager)",
+                                       "373 (static cache + compile)", "-", "-", "-", "-"]
+    assert [r["goal"] for r in rows] == [">= 40,000 output tok/s", ">= 70,000 output tok/s", ">= 35,000 output tok/s",
+                                         "<= 5 ms", ">= 1,300 tok/s", "<= 1.2x", "<= 1.5x", "<= 10 s", "0"]
+    lines = bench.goals_markdown(made_up_results(bench))
+    assert lines[1] == ("| goal workload | goal | tinyvllm | met | PyTorch compiled (ours) (torch 2.11, bfloat16, "
+                        "cuda) | HF transformers 5.17 |")
+    assert lines[3] == "| static batch 64, prompt 128 -> 256 | >= 40,000 output tok/s | 40,000 | yes | 26,400 | - |"
+    assert lines[4] == "| static batch 256, prompt 128 -> 256 | >= 70,000 output tok/s | 69,999 | **no** | 43,700 | - |"
+
+
+def test_goal_rows_not_measured(bench):
+    """A workload that did not run (or was skipped) is 'not measured', neither met nor missed."""
+    results = made_up_results(bench, step={"skipped": "step not measured: it needs a GPU"}, startup={},
+                              stalls={}, static={})
+    del results["tinyvllm"]["prefill"], results["torch_peer"], results["peer"]
+    rows = bench.goal_rows(results)
+    assert [r["met"] for r in rows] == [None, None, True, None, False, None, None, None, None]
+    assert all(r["measured"] == "not measured" for r in rows if r["met"] is None)
+    assert all(r["torch"] == r["hf"] == "-" for r in rows)

@@ -1,17 +1,20 @@
-"""End-to-end benchmark of tinyvllm, with Hugging Face transformers on the same workloads in the same run.
+"""End-to-end benchmark of tinyvllm, with a compiled PyTorch Llama and Hugging Face transformers on the same
+workloads in the same run, against issue 29's goals.
 
-    python3 tools/bench.py latency|throughput|prefill|kernels|all [more workloads] [--sweep B1,B2,...] [options]
-    python3 tools/bench.py all --sweep 1,16,64,256 --json out.json --markdown out.md --plot sweep.png
+    python3 tools/bench.py goals --json out.json --markdown out.md    # every row of the goal table, with peers
+    python3 tools/bench.py all [--sweep 1,16,64,256] [options]        # goals + the single-kernel targets
+    python3 tools/bench.py latency|throughput|prefill|static|step|startup|stalls|kernels [more] [options]
     python3 tools/bench.py --sweep 1,16,64,256          # the sweep alone
-    python3 tools/bench.py latency prefill throughput kernels --matmul-precision bf16   # issue 5's five targets
     python3 tools/bench.py all --quick --preset tiny --backend cpu      # a smoke run in seconds
 
 The model is a Llama-3.2-1B-shaped checkpoint with random bf16 weights (tinyvllm.random_model, seed 0,
 made in a few seconds in a temporary directory or --model-dir), or any model given with --model. Every
-request is greedy with ignore_eos, so each produces exactly the tokens asked for. Workloads:
+request is greedy with ignore_eos (stalls also samples), so each produces exactly the tokens asked for.
+tinyvllm runs with the engine's defaults (matmul precision auto: bf16 on the GPU) unless options say
+otherwise. Workloads:
 
 - latency: batch 1, a 128-token random prompt, 256 new tokens. Decode tokens/s = 255 / (time of the last
-  token - time of the first; for the peer, from a streamer that timestamps each token), best of a few runs
+  token - time of the first; for the peers, from per-token timestamps), best of a few runs
   (one for the slow eager peer); also the fraction of the bandwidth roofline: a decode step
   at batch 1 reads every weight once (the tied embedding as the LM head; an untied embedding table only
   one row), so the limit is the copy bandwidth / weight bytes per token. The copy bandwidth is a
@@ -20,11 +23,28 @@ request is greedy with ignore_eos, so each produces exactly the tokens asked for
   output. KV-cache reads (a few MB at this context) are left out.
 - throughput: 256 requests (seed 0), random prompt ids in [0, 10000), prompt and output lengths uniform in
   [100, 1024] -> output tokens/s over the wall time of one `LLM.generate`, for the continuous and the
-  static scheduler.
+  static scheduler (the goal is the continuous one's: the engine's default).
 - prefill: one 1,024-token prompt, max_tokens=1: time to first token, best of a few runs.
+- static: static batches (--static-batches, default 16, 64, 256) of 128-token random prompts, 256 new
+  tokens each, on an engine with scheduler="static": output tokens/s = batch * 256 / the wall time of one
+  `LLM.generate` (prefill included), best of a few runs.
+- step: the decode step's GPU time at batch 1, 16 and 64 (256-token prompts), the plain CUDA graph the engine
+  replays timed over 50 replays (tools/profile_step.step_times, one engine), and the ratios 16/1 and 64/1.
+  Needs a GPU (the simulator captures no graphs).
+- startup: `python -m tinyvllm generate --backend B --model DIR --max-tokens 1 --temperature 0 "Hello"`
+  run twice, one process after the other, with a fresh kernel cache directory (TINYVLLM_KERNEL_CACHE) for the
+  pair: the first compiles every kernel (cold), the second loads them (the goal's "second process"). Time
+  from just before Popen to the first byte of the answer on stdout (read unbuffered), and to the exit.
+- stalls: an engine with the defaults is built; `cuda_kernels.launch.prepared()` (kernel signatures compiled
+  or loaded) and `tinyvllm.cuda_graph.captures()` are read when the constructor returns ("ready"), then a
+  varied workload runs through `LLMEngine.step` with each step timed: batches of 1, 3, 17, 64 and 200
+  requests (prompts log-uniform in 5-3,000 tokens, the longest and shortest in each batch; outputs 16-64
+  tokens; greedy and mixed greedy/sampled batches in turn), then single requests one after another (prompts
+  3,000 down to 5 tokens, greedy and sampled). Reported: compiles and captures after ready (goal: 0), and the
+  longest step (a compile or capture shows as one).
 - kernels: issue 5's single-kernel targets, each kernel launched alone as the engine launches it, on the
   model's shapes: the five batch-1 decode GEMVs (QKV with its RoPE + KV-write epilogue, O, gate/up with its
-  SiLU*mul epilogue, down, the LM head; the default gemv config, the run's --matmul-precision), each
+  SiLU*mul epilogue, down, the LM head; the default gemv config, the run's matmul precision), each
   weight cold in L2 (every launch reads the next of 256 MiB of weight copies), and decode PagedAttention
   over batch 64 x context 4,096 with the engine's default policy. Each is checked against the NumPy
   reference, then timed as a CUDA graph of 50 launches (tools/kernel_benchmarks/common.py): GB/s of
@@ -34,41 +54,60 @@ request is greedy with ignore_eos, so each produces exactly the tokens asked for
 - --sweep B1,B2,...: output tokens/s against batch size. At batch size B, 2*B requests with a 128-token
   prompt and output lengths uniform in [128, 384] (mean 256) run on an engine with max_num_seqs=B, for each
   scheduler: static batching holds a batch until its longest member ends, continuous batching refills the
-  freed slots, so the two differ only when lengths vary and requests wait. The peer runs the first B of
+  freed slots, so the two differ only when lengths vary and requests wait. The HF peer runs the first B of
   those requests as one static batch (`generate` with max_new_tokens = the longest of them) and is credited
   with the tokens those requests asked for, as static batching is; one batch stands for the rest, which
   keeps the peer's share of the run bounded. The points are plotted (PNG) when matplotlib is importable.
+`goals` is latency, throughput, prefill, static, step, startup and stalls; `all` adds kernels.
 
-Kernels compile, and decode CUDA graphs are captured, on first use, so every engine is warmed up before
-timing: the decode batch passes through every size from max_num_seqs down to 1 at every context-length
-octave its jobs will reach (see warm_up). Prefix caching is off, so a repeated prompt is prefilled again.
+Kernels compile, and decode CUDA graphs are captured, on first use unless the engine did so when it was
+built, so every engine is warmed up before timing: the decode batch passes through every size from
+max_num_seqs down to 1 at every context-length octave its jobs will reach (see warm_up). Prefix caching is
+off (except in stalls, which runs the defaults), so a repeated prompt is prefilled again.
 
-The peer (when torch and transformers are importable and --no-peer is not given; neither is ever a
-tinyvllm dependency) loads the same model directory in bf16 on cuda if available, else the CPU:
-latency with `cache_implementation="static"` (generate then compiles the model with torch.compile) and
-eager; throughput with `generate_batch` (transformers' continuous batching with a paged cache), which takes
-one max_new_tokens for all requests, so each request asks for the mean of the workload's output lengths,
-and only the first --peer-requests requests run (both stated in the output); it is timed from the first
-request's admission to the last one's end where the results carry those times (generate_batch sets up its
-cache and CUDA graphs before admitting requests), else by the wall clock (said in the JSON). Prefill runs
-eagerly, logits of the last token only. generate_batch runs last: some transformers versions leave the
-model on paged attention after it. A peer measurement that fails is recorded as an error and the run goes
-on; a transformers without generate_batch gets a note instead of the throughput row.
+Peers (--peers, default torch,hf; each runs when torch, or torch and transformers, import; neither is ever
+a tinyvllm dependency), on the same model directory, bf16, on cuda if available, else the CPU:
+- torch: tools/torch_peer.py, a plain Llama with a static KV cache and the decode step compiled with
+  torch.compile(mode="reduce-overhead") (CUDA graphs): latency (batch 1, decode tokens/s timed as tinyvllm's),
+  the static batches (output tokens/s with prefill included, as tinyvllm's static workload; the prefill
+  eager), the 1,024-token prefill (compiled and eager). Its mode and its agreement with its own eager step
+  are recorded. Its decode step times at batch 1, 16 and 64 (from those runs) stand beside the step ratios.
+- hf: HF transformers: latency with `cache_implementation="static"` (generate then compiles the model with
+  torch.compile) and eager; throughput with `generate_batch` (transformers' continuous batching with a paged
+  cache), which takes one max_new_tokens for all requests, so each request asks for the mean of the
+  workload's output lengths, and only the first --peer-requests requests run (both stated in the output);
+  it is timed from the first request's admission to the last one's end where the results carry those times
+  (generate_batch sets up its cache and CUDA graphs before admitting requests), else by the wall clock (said
+  in the JSON). Prefill runs eagerly, logits of the last token only. Not at the static batches: each batch
+  size is another torch.compile of generate (a minute each), and the torch peer covers them. generate_batch
+  runs last: some transformers versions leave the model on paged attention after it. A transformers
+  without generate_batch gets a note instead of the throughput row.
+A peer measurement that fails is recorded as an error and the run goes on.
 
-GPU memory: tinyvllm and the peer share one GPU, so tinyvllm runs first, each engine in turn taking
---gpu-memory-utilization (default 0.5) of the card and freeing it (its arrays dropped, numba's deferred
-deallocations flushed) before the next engine, the kernels workload (about 2 GB at the 1B shapes, freed
-the same way) or the peer starts. 0.5 leaves room should a release fall short; the free memory after each
-release is logged.
+Order and GPU memory: tinyvllm and the peers share one GPU, so tinyvllm runs first (its engines, then step,
+stalls, startup and kernels), each engine in turn taking --gpu-memory-utilization (default 0.5) of the card
+and freeing it (its arrays dropped, numba's deferred deallocations flushed) before the next one; startup's
+processes take the CLI's default share of what is free; then the torch peer, which gives its memory back
+(torch's cache emptied), then HF. The free memory after each release is logged. Every workload and every
+measurement in it records its own failure (with its traceback on stderr) and the run goes on.
 
-Results go to --json (every number, the configuration, device, date, versions and the command line) and
---markdown (a table ready for BENCHMARKS.md, also printed), both rewritten after every measurement so
-that a run cut short keeps what it measured; --plot (default bench_sweep.png) gets the sweep. With the
-defaults, `all --sweep 1,16,64,256` with the peer is meant to fit in about 10 minutes on an H200 (kernels:
-13 s on an H100, most of it making random weights and checking them; `latency prefill throughput kernels`
-with the peer took 223 s there); --quick shrinks every workload for
-smoke runs (kernels: batch 2 x context 256 and 1 MiB of weight copies; with --preset tiny about 30 s in the
-simulator).
+Results go to --json (every number, the goal table, the configuration, device, date, versions and the
+command line) and --markdown (the goal table and the tables ready for BENCHMARKS.md, also printed), both
+rewritten after every measurement so that a run cut short keeps what it measured; --plot (default
+bench_sweep.png) gets the sweep. --quick shrinks every workload for smoke runs (kernels: batch 2 x context
+256 and 1 MiB of weight copies; with --preset tiny about 30 s in the simulator).
+
+Run time of `goals` on one H100 or H200, with both peers (an estimate, not yet measured in one piece;
+assumed: a fresh machine, so every kernel compiles once in this process and once more in startup's cold
+process, 30-40 s each; an engine's own warm-up at construction under a minute; the bench's warm-up 10-20 s
+per engine): making the model 10 s; the continuous engine (latency, prefill, throughput) 60-90 s; the
+static engine (throughput, static batches) 60-90 s; step 30-60 s; stalls 40-70 s; startup 50-100 s; the
+torch peer 150-250 s (torch.compile of the decode step at four batch sizes and of the prefill, 30-40 s each;
+earlier measurements: `latency prefill throughput kernels` with HF took 223 s on an H100); HF 100-150 s.
+In all about 8-12 minutes: on a 10-minute limit, run `goals --peers torch` (about 7-9 minutes) and the HF
+rows apart (`latency prefill throughput --peers hf`), or trim --static-batches. Results already measured
+survive a cut (they are written after every measurement), so write --json and --markdown where a cut
+run's files are kept.
 """
 
 from __future__ import annotations
@@ -80,7 +119,9 @@ import gc
 import importlib.metadata
 import inspect
 import json
+import os
 import platform
+import select
 import shlex
 import subprocess
 import sys
@@ -98,8 +139,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-WORKLOADS = ("latency", "throughput", "prefill", "kernels")
-PEER_WORKLOADS = ("latency", "throughput", "prefill")  # the HF peer has no single kernels to set beside ours
+WORKLOADS = ("latency", "throughput", "prefill", "static", "step", "startup", "stalls", "kernels")
+GOAL_WORKLOADS = WORKLOADS[:-1]   # `goals`: every row of issue 29's goal table
+PEERS = ("torch", "hf")
+PEER_WORKLOADS = ("latency", "throughput", "prefill")   # what the HF peer measures (and --sweep)
+TORCH_PEER_WORKLOADS = ("latency", "prefill", "static", "step")
 SCHEDULERS = ("continuous", "static")
 # Requests per sweep point, in units of the batch size: a second wave is what lets continuous batching refill.
 SWEEP_WAVES = 2
@@ -128,17 +172,28 @@ class Sizes:
     # kernels: the weight copies each GEMV cycles through, so that every launch reads its weight cold from DRAM
     # (tools/kernel_benchmarks/matmul.py's COLD_BYTES: 5x the H200's 50 MB L2)
     cold_bytes: int = 256 << 20
+    static_prompt: int = 128         # static: every prompt of a static batch, and the new tokens of each
+    static_new: int = 256
+    step_batches: tuple[int, ...] = (1, 16, 64)   # step: decode batches timed; ratios are against the first
+    step_context: int = 256
+    stall_batches: tuple[int, ...] = (1, 3, 17, 64, 200)   # stalls: one batch of requests each, in turn
+    stall_prompt_lens: tuple[int, int] = (5, 3000)
+    stall_new: int = 32              # stalls: outputs uniform in [stall_new / 2, 2 * stall_new]
+    stall_singles: int = 4           # stalls: single requests one after another, after the batches
+    startup_timeout_s: float = 300.0  # startup: one process's limit
 
     def max_context(self, job: str) -> int:
         """The longest prompt + output a job's requests reach."""
         return {"latency": self.latency_prompt + self.latency_new, "prefill": self.prefill_prompt + 1,
                 "throughput": self.prompt_lens[1] + self.output_lens[1],
-                "sweep": self.sweep_prompt + self.sweep_output_lens[1]}[job]
+                "sweep": self.sweep_prompt + self.sweep_output_lens[1],
+                "static": self.static_prompt + self.static_new}[job]
 
 
 QUICK = Sizes(latency_prompt=32, latency_new=32, num_requests=16, prompt_lens=(16, 128), output_lens=(16, 64),
               prefill_prompt=256, sweep_prompt=32, sweep_output_lens=(16, 48), runs=2, attention_batch=2,
-              attention_context=256, cold_bytes=1 << 20)
+              attention_context=256, cold_bytes=1 << 20, static_prompt=16, static_new=16, step_context=32,
+              stall_batches=(1, 3, 5), stall_prompt_lens=(5, 100), stall_new=8, stall_singles=2)
 
 
 @dataclass
@@ -153,10 +208,12 @@ class BenchConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.5
-    matmul_precision: str = "fp32"       # tinyvllm's matmul inputs: fp32 (exact) or bf16 (as the peer's)
+    matmul_precision: str = "auto"       # tinyvllm's matmul inputs: auto (the engine's default), fp32 or bf16
     bandwidth_gbs: float | None = None   # the roofline's copy bandwidth; None: measured on the GPU
-    peer: bool = True
+    peer: bool = True                    # False (--no-peer): no peer at all
+    peers: list[str] = field(default_factory=lambda: list(PEERS))   # which peers run (when peer is True)
     peer_requests: int = 64
+    static_batches: list[int] = field(default_factory=lambda: [16, 64, 256])
     sweep: list[int] = field(default_factory=list)
     seed: int = 0
     command: str = ""
@@ -189,6 +246,12 @@ def sweep_requests(sizes: Sizes, batch: int, seed: int, high: int) -> list[tuple
     return random_requests(rng, SWEEP_WAVES * batch, lens, sizes.sweep_output_lens, high)
 
 
+def static_requests(cfg: BenchConfig, batch: int, high: int) -> list[tuple[list[int], int]]:
+    """A static batch: `batch` random prompts of static_prompt tokens (seeded per batch), static_new new each."""
+    rng = np.random.default_rng([cfg.seed, 4, batch])
+    return [(random_prompt(rng, cfg.sizes.static_prompt, high), cfg.sizes.static_new) for _ in range(batch)]
+
+
 def weight_bytes_per_token(config) -> int:
     """Bytes of bf16 weights one batch-1 decode step reads: all of them, less an untied embedding table."""
     from tinyvllm.weights import expected_shapes
@@ -218,6 +281,7 @@ class TinyEngine:
                        gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
                        matmul_precision=cfg.matmul_precision)
         self.backend = self.llm.engine.runner.name
+        self.matmul_precision = self.llm.engine.runner.matmul_precision   # what "auto" became
 
     def close(self) -> str:
         """Drop the engine and free its device memory; returns a line on the device memory left free."""
@@ -284,6 +348,13 @@ def tv_prefill(llm, prompt: list[int], runs: int) -> dict:
             "runs_ttft_ms": ttfts}
 
 
+def tv_static(llm, requests: list[tuple[list[int], int]], runs: int) -> dict:
+    """One static batch (the engine's static scheduler runs it whole), best of `runs` by output tokens/s."""
+    results = [tv_batch(llm, requests) for _ in range(runs)]
+    best = max(results, key=lambda r: r["output_tok_s"])
+    return {**best, "batch": len(requests), "runs_output_tok_s": [r["output_tok_s"] for r in results]}
+
+
 def tv_batch(llm, requests: list[tuple[list[int], int]]) -> dict:
     """All requests through one generate(); output tokens/s over its wall time."""
     start = time.perf_counter()
@@ -301,6 +372,7 @@ def engine_plan(cfg: BenchConfig) -> list[tuple[tuple[str, int], list[tuple[str,
     """Which jobs run on which engine (scheduler, max_num_seqs), so that each engine is built once.
 
     Latency and prefill run at batch 1, where the schedulers do the same thing: on the first scheduler only.
+    The static batches run on a static-scheduler engine that holds the largest of them.
     """
     plan: dict[tuple[str, int], list[tuple[str, int | None]]] = {}
     for i, scheduler in enumerate(cfg.schedulers):
@@ -308,6 +380,9 @@ def engine_plan(cfg: BenchConfig) -> list[tuple[tuple[str, int], list[tuple[str,
         jobs += [(w, None) for w in ("latency", "prefill") if i == 0 and w in cfg.workloads]
         if "throughput" in cfg.workloads:
             jobs.append(("throughput", None))
+    if "static" in cfg.workloads and cfg.static_batches:
+        key = ("static", max(cfg.max_num_seqs, *cfg.static_batches))
+        plan.setdefault(key, []).extend(("static", batch) for batch in cfg.static_batches)
     for batch in cfg.sweep:
         for scheduler in cfg.schedulers:
             plan.setdefault((scheduler, batch), []).append(("sweep", batch))
@@ -326,7 +401,7 @@ def run_engine(cfg, model_dir, vocab, scheduler, num_seqs, jobs, results, emit) 
     max_context = max(cfg.sizes.max_context(job) for job, _ in jobs)
     engine = TinyEngine(cfg, model_dir, scheduler, num_seqs)
     try:
-        ours["backend"] = engine.backend
+        ours["backend"], ours["matmul_precision"] = engine.backend, engine.matmul_precision
         seconds = warm_up(engine.llm, np.random.default_rng([cfg.seed, 9]), num_seqs, max_context, high)
         ours.setdefault("warmup_s", {})[f"{scheduler}/{num_seqs}"] = seconds
         log(f"tinyvllm: {scheduler} engine (max_num_seqs {num_seqs}, {engine.backend}) warmed up in {seconds:.1f} s")
@@ -355,6 +430,9 @@ def tinyvllm_job(cfg, llm, job, scheduler, batch, high, ours) -> str:
                                    s.output_lens, high)
         r = ours.setdefault("throughput", {})[scheduler] = tv_batch(llm, requests)
         return f"{r['output_tok_s']:.0f} output tok/s"
+    if job == "static":
+        r = ours.setdefault("static", {})[str(batch)] = tv_static(llm, static_requests(cfg, batch, high), s.runs)
+        return f"{r['output_tok_s']:.0f} output tok/s"
     r = ours.setdefault("sweep", {}).setdefault(scheduler, {})[str(batch)] = tv_batch(
         llm, sweep_requests(s, batch, cfg.seed, high))
     return f"{r['output_tok_s']:.0f} output tok/s"
@@ -368,6 +446,188 @@ def record(results: dict, name: str, job) -> None:
         traceback.print_exc()
         results["errors"].append({"job": name, "error": f"{type(exc).__name__}: {exc}"})
         log(f"{name}: FAILED ({type(exc).__name__}: {exc})")
+
+
+# -- tinyvllm's decode step, stalls and start -------------------------------------------------------------------
+
+def gpu_unavailable(backend: str, what: str) -> str | None:
+    """Why `what` cannot be measured here (it needs a real GPU: CUDA graphs, the CUDA engine's start), or None."""
+    from cuda_kernels.compat import SIMULATOR
+    from tinyvllm.runners import choose_backend
+
+    if SIMULATOR or choose_backend(backend) != "cuda":
+        return f"{what} not measured: it needs a GPU (backend {backend}{', simulator' if SIMULATOR else ''})"
+    return None
+
+
+def run_step(cfg: BenchConfig, model_dir: Path, results: dict) -> str:
+    """Decode step GPU time per batch (tools/profile_step.step_times) and the ratios against the first batch."""
+    ours = results["tinyvllm"]
+    reason = gpu_unavailable(cfg.backend, "step")
+    if reason is not None:
+        ours["step"] = {"skipped": reason}
+        return reason
+    from tools.profile_step import step_times
+
+    ours.setdefault("backend", "cuda")
+    s = cfg.sizes
+    times = step_times(model_dir, list(s.step_batches), s.step_context, cfg.matmul_precision)
+    ours["step"] = step_summary({b: t["graph_s"] for b, t in times.items()}, s.step_context)
+    for b, t in times.items():
+        ours["step"]["batches"][str(b)]["graph_batch"] = t["graph_batch"]
+    return f"{ours['step']['summary']}; {free_device_memory('cuda')}"
+
+
+def step_summary(step_s: dict[int, float], context: int) -> dict:
+    """Step times by batch and each one's ratio to the first (smallest) batch's."""
+    base = step_s[min(step_s)]
+    batches = {str(b): {"step_s": t, "ratio": t / base} for b, t in sorted(step_s.items())}
+    summary = ", ".join(f"batch {b} {v['step_s'] * 1e3:.2f} ms ({v['ratio']:.2f}x)" for b, v in batches.items())
+    return {"context": context, "batches": batches, "summary": summary}
+
+
+def stall_phases(s: Sizes, seed: int, high: int) -> list[tuple[str, list[list[tuple[list[int], object]]]]]:
+    """(name, waves): each wave a list of (prompt, SamplingParams) added together and run to the end. A batch of
+    each size in s.stall_batches (prompts log-uniform over stall_prompt_lens with both ends present; greedy and
+    mixed greedy/sampled batches in turn), then stall_singles single requests in a row, long prompts first."""
+    from tinyvllm import SamplingParams
+
+    rng = np.random.default_rng([seed, 5])
+    low, high_len = s.stall_prompt_lens
+
+    def params(sampled: bool, i: int):
+        n = int(rng.integers(max(1, s.stall_new // 2), 2 * s.stall_new + 1))
+        if sampled:
+            return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i, max_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    phases = []
+    for k, batch in enumerate(s.stall_batches):
+        lengths = np.exp(rng.uniform(np.log(low), np.log(high_len), batch)).astype(int)
+        lengths[:2] = [high_len, low][:batch]
+        mixed = k % 2 == 1
+        wave = [(random_prompt(rng, int(n), high), params(mixed and i % 2 == 1, i)) for i, n in enumerate(lengths)]
+        phases.append((f"batch {batch}, {'greedy and sampled' if mixed else 'greedy'}", [wave]))
+    lengths = np.geomspace(high_len, low, s.stall_singles).round().astype(int)
+    singles = [[(random_prompt(rng, int(n), high), params(i % 2 == 1, i))] for i, n in enumerate(lengths)]
+    phases.append((f"{s.stall_singles} single requests in a row, prompts {high_len} down to {low}", singles))
+    return phases
+
+
+def timed_steps(engine, wave: list[tuple[list[int], object]]) -> list[float]:
+    """Add the wave's requests and step the engine until it has none left; the wall time of every step."""
+    for prompt, params in wave:
+        engine.add_request(prompt, params, final_only=True)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_stalls(cfg: BenchConfig, model_dir: Path, vocab: int, results: dict, emit) -> str:
+    """Compiles and graph captures after the engine is ready, over stall_phases, and the longest step."""
+    from tinyvllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, backend=cfg.backend, max_num_seqs=cfg.max_num_seqs,
+              max_num_batched_tokens=cfg.max_num_batched_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
+              matmul_precision=cfg.matmul_precision)
+    ready_s, backend = time.perf_counter() - start, llm.engine.runner.name
+    results["tinyvllm"].setdefault("backend", backend)
+    prepared, captured = setup_counts(backend)
+    r = results["tinyvllm"]["stalls"] = {"backend": backend, "ready_s": ready_s, "prepared_at_ready": prepared,
+                                         "captures_at_ready": captured, "phases": []}
+    try:
+        for name, waves in stall_phases(cfg.sizes, cfg.seed, min(cfg.sizes.token_high, vocab)):
+            before, started = setup_counts(backend), time.perf_counter()
+            steps = [t for wave in waves for t in timed_steps(llm.engine, wave)]
+            after = setup_counts(backend)
+            r["phases"].append({"phase": name, "requests": sum(map(len, waves)), "steps": len(steps),
+                                "compiles": after[0] - before[0], "captures": after[1] - before[1],
+                                "worst_step_s": max(steps), "wall_s": time.perf_counter() - started})
+            log(f"stalls: {name}: {r['phases'][-1]['compiles']} compiles, {r['phases'][-1]['captures']} captures, "
+                f"worst step {max(steps) * 1e3:,.1f} ms")
+            r.update(stall_totals(r))
+            emit(results)
+    finally:
+        llm = None
+        released = free_device_memory(backend)
+    return (f"ready in {r['ready_s']:.1f} s; after ready {r['compiles_after_ready']} compiles, "
+            f"{r['captures_after_ready']} captures, worst step {r['worst_step_s'] * 1e3:,.1f} ms "
+            f"({r['worst_step_phase']}); {released}")
+
+
+def setup_counts(backend: str) -> tuple[int, int]:
+    """(kernel signatures compiled or loaded, CUDA graphs captured) in this process so far; the cpu backend
+    (the NumPy reference) has neither."""
+    if backend != "cuda":
+        return 0, 0
+    from cuda_kernels import launch
+    from tinyvllm.cuda_graph import captures
+
+    return launch.prepared(), captures()
+
+
+def stall_totals(r: dict) -> dict:
+    """The phases' compiles and captures summed, and the longest step with its phase."""
+    worst = max(r["phases"], key=lambda p: p["worst_step_s"])
+    return {"compiles_after_ready": sum(p["compiles"] for p in r["phases"]),
+            "captures_after_ready": sum(p["captures"] for p in r["phases"]),
+            "worst_step_s": worst["worst_step_s"], "worst_step_phase": worst["phase"]}
+
+
+def startup_command(backend: str, model_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "tinyvllm", "generate", "--backend", backend, "--model", str(model_dir),
+            "--max-tokens", "1", "--temperature", "0", "Hello"]
+
+
+def time_to_first_byte(argv: list[str], env: dict, timeout_s: float) -> dict:
+    """Run argv; seconds from just before Popen to the first byte on its stdout and to its exit. A process that
+    fails, prints nothing or outlives timeout_s (then killed) raises, with the end of its stderr."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env,
+                                cwd=REPO, bufsize=0)
+        deadline = start + timeout_s
+        try:
+            first = None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+            if ready and os.read(proc.stdout.fileno(), 1):
+                first = time.perf_counter()
+            proc.communicate(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        end = time.perf_counter()
+        err.seek(0)
+        tail = err.read()[-2000:].decode(errors="replace")
+    problem = (f"did not finish within {timeout_s:.0f} s (killed)" if end > deadline
+               else f"exited with {proc.returncode}" if proc.returncode else None if first else "printed nothing")
+    if problem:
+        raise RuntimeError(f"{shlex.join(argv)} {problem}; stderr ends:\n{tail}")
+    return {"first_byte_s": first - start, "exit_s": end - start}
+
+
+def run_startup(cfg: BenchConfig, model_dir: Path, results: dict) -> str:
+    """The CLI's process start to first token, twice in a row on a fresh kernel cache (cold, then warm)."""
+    from tinyvllm.runners import choose_backend
+
+    backend = choose_backend(cfg.backend)
+    argv = startup_command(backend, model_dir)
+    r = results["tinyvllm"]["startup"] = {"command": shlex.join(argv), "backend": backend, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="tinyvllm-kernel-cache-") as cache:
+        env = {**os.environ, "TINYVLLM_KERNEL_CACHE": cache,
+               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        for label in ("first (cold kernel cache)", "second (kernels cached by the first)"):
+            run = time_to_first_byte(argv, env, cfg.sizes.startup_timeout_s)
+            r["runs"].append({"run": label, **run})
+            log(f"startup: {label}: first token after {run['first_byte_s']:.1f} s, exit after {run['exit_s']:.1f} s")
+    return ", ".join(f"{run['first_byte_s']:.1f} s" for run in r["runs"]) + " to the first token"
 
 
 # -- tinyvllm's kernels, one at a time -----------------------------------------------------------------------
@@ -389,11 +649,18 @@ def kernel_cases(cfg: BenchConfig, config) -> list[tuple[float, object]]:
     from tools.kernel_benchmarks import attention, matmul
 
     s, block = cfg.sizes, EngineOptions.block_size   # the block size TinyEngine's engines get: the default
-    gemvs = matmul.engine_decode_cases(config, cfg.matmul_precision == "bf16", s.cold_bytes, block)
+    gemvs = matmul.engine_decode_cases(config, cuda_precision(cfg) == "bf16", s.cold_bytes, block)
     heads = (config.num_heads, config.num_kv_heads, config.head_dim)
     context = min(s.attention_context, config.max_position_embeddings)
     attn = attention.engine_decode_case(s.attention_batch, context, heads, block)
     return [(GEMV_TARGET_GBS, case) for case in gemvs] + [(ATTENTION_TARGET_GBS, attn)]
+
+
+def cuda_precision(cfg: BenchConfig) -> str:
+    """The CUDA engine's matmul precision under this configuration (what "auto" means there)."""
+    from tinyvllm.runners import AUTO_PRECISION
+
+    return AUTO_PRECISION["cuda"] if cfg.matmul_precision == "auto" else cfg.matmul_precision
 
 
 def kernel_row(case, target_gbs: float, seconds: float | str) -> dict:
@@ -421,7 +688,8 @@ def run_kernels(cfg: BenchConfig, config, results: dict, emit) -> str:
         # much cheaper (as tests/conftest.py does).
         sys.setswitchinterval(5e-4)
     ours.setdefault("backend", "cuda")  # when no engine ran before
-    ours["kernels"] = {"device": gpu_status()[1], "cold_bytes": cfg.sizes.cold_bytes, "cases": []}
+    ours["kernels"] = {"device": gpu_status()[1], "cold_bytes": cfg.sizes.cold_bytes,
+                       "matmul_precision": cuda_precision(cfg), "cases": []}
     time_kernels(cfg, config, results, emit)
     # the cases, whose closures hold every device array they use, went with time_kernels' frame
     rows = ours["kernels"]["cases"]
@@ -444,6 +712,89 @@ def time_kernels(cfg: BenchConfig, config, results: dict, emit) -> None:
             results["errors"].append({"job": f"tinyvllm kernels: {row['name']}", "error": row["check"]})
             log(f"kernels: {row['name']}: {row['check']}")
         emit(results)
+
+
+# -- the peer: a compiled PyTorch Llama (tools/torch_peer.py) ---------------------------------------------------
+
+def torch_peer_unavailable() -> str | None:
+    """Why the PyTorch peer cannot run here, or None when torch imports."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        return f"PyTorch peer not measured: torch is not importable here ({exc})"
+    return None
+
+
+def run_torch_peer(cfg: BenchConfig, model_dir: Path, vocab: int, results: dict, emit) -> str:
+    """The torch peer on tinyvllm's prompts (same seeds): latency, static batches, step times, prefill."""
+    reason = torch_peer_unavailable()
+    if reason is not None:
+        results["torch_peer"] = {"skipped": reason}
+        return reason
+    import torch
+
+    from tools.torch_peer import TorchPeer, describe
+
+    s, high = cfg.sizes, min(cfg.sizes.token_high, vocab)
+    log("PyTorch peer: loading the model")
+    peer = TorchPeer(model_dir)
+    theirs = results["torch_peer"] = {"name": "PyTorch compiled (tools/torch_peer.py)", "torch": torch.__version__,
+                                      "device": str(peer.device), "dtype": str(peer.dtype).removeprefix("torch.")}
+    if peer.device.type == "cuda":
+        theirs["gpu"] = torch.cuda.get_device_name()
+
+    def latency():
+        prompt = random_prompt(np.random.default_rng([cfg.seed, 1]), s.latency_prompt, high)
+        r = theirs["latency"] = peer.decode_throughput([prompt], s.latency_new, s.runs)
+        if "roofline_tok_s" in results["tinyvllm"]:
+            r["roofline_fraction"] = r["decode_tok_s"] / results["tinyvllm"]["roofline_tok_s"]
+        return f"{r['decode_tok_s']:.1f} decode tok/s ({describe(r)})"
+
+    def static(batch):
+        prompts = [p for p, _ in static_requests(cfg, batch, high)]
+        r = theirs.setdefault("static", {})[str(batch)] = peer.decode_throughput(prompts, s.static_new, s.runs)
+        return f"{r['output_tok_s']:.0f} output tok/s ({describe(r)})"
+
+    def step():
+        """Step times from the static and latency runs (a batch not run there runs now, once): contexts of
+        static_prompt to static_prompt + static_new tokens, where tinyvllm's step workload holds step_context."""
+        runs = dict(theirs.get("static", {}))
+        if "latency" in theirs and (s.latency_prompt, s.latency_new) == (s.static_prompt, s.static_new):
+            runs.setdefault("1", theirs["latency"])
+        for batch in s.step_batches:
+            if str(batch) not in runs:
+                prompts = [p for p, _ in static_requests(cfg, batch, high)]
+                runs[str(batch)] = peer.decode_throughput(prompts, s.static_new, 1)
+        r = theirs["step"] = step_summary({b: runs[str(b)]["step_s"] for b in s.step_batches}, s.static_prompt)
+        return r["summary"]
+
+    def prefill():
+        r = theirs["prefill"] = peer.prefill_ttft(
+            random_prompt(np.random.default_rng([cfg.seed, 2]), s.prefill_prompt, high), s.runs)
+        return f"TTFT {r['ttft_ms']:.2f} ms ({r['mode']}; eager {r['eager_ttft_ms']:.2f} ms)"
+
+    jobs = [("latency", latency)] if "latency" in cfg.workloads else []
+    if "static" in cfg.workloads:
+        jobs += [(f"static batch {b}", lambda b=b: static(b)) for b in sorted(cfg.static_batches)]
+    if "step" in cfg.workloads:
+        jobs.append(("step times", step))
+    if "prefill" in cfg.workloads:
+        jobs.append(("prefill", prefill))
+    try:
+        for name, job in jobs:
+            record(results, f"PyTorch peer {name}", job)
+            theirs["failed_modes"] = peer.failed
+            emit(results)
+    finally:
+        peer.close()
+    return f"done; {peer_memory_line(torch)}"
+
+
+def peer_memory_line(torch) -> str:
+    if not torch.cuda.is_available():
+        return "host memory released"
+    free, total = torch.cuda.mem_get_info()
+    return f"GPU memory free after the PyTorch peer: {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
 
 
 # -- the peer: Hugging Face transformers ---------------------------------------------------------------------
@@ -720,19 +1071,43 @@ def run_bench(cfg: BenchConfig, emit=lambda results: None) -> dict:
         log(f"roofline bandwidth: {gbs:,.0f} GB/s, {source}")
         results["tinyvllm"].update(bandwidth_gbs=gbs, bandwidth_source=source,
                                    roofline_tok_s=gbs * 1e9 / model["weight_bytes_per_token"])
+        emit(results)
     run_tinyvllm(cfg, model_dir, config.vocab_size, results, emit)
-    if "kernels" in cfg.workloads:  # after the engines, before the peer: one user of the GPU at a time
-        record(results, "tinyvllm kernels", lambda: run_kernels(cfg, config, results, emit))
+    # one user of the GPU at a time: tinyvllm's engines, then these (each frees its memory), then the peers
+    single = {"step": lambda: run_step(cfg, model_dir, results),
+              "stalls": lambda: run_stalls(cfg, model_dir, config.vocab_size, results, emit),
+              "startup": lambda: run_startup(cfg, model_dir, results),
+              "kernels": lambda: run_kernels(cfg, config, results, emit)}
+    for workload, job in single.items():
+        if workload in cfg.workloads:
+            record(results, f"tinyvllm {workload}", job)
+            emit(results)
     results["device"] = device_name(results["tinyvllm"].get("backend"))
-    if not cfg.peer:
-        results["peer"] = {"skipped": "HF transformers peer not measured: --no-peer"}
-    elif not cfg.sweep and not set(cfg.workloads) & set(PEER_WORKLOADS):
-        results["peer"] = {"skipped": "HF transformers peer not measured: it has no single kernels to time"}
+    reason = peer_skipped(cfg, "torch", TORCH_PEER_WORKLOADS, "PyTorch peer")
+    if reason:
+        results["torch_peer"] = {"skipped": reason}
+    else:
+        record(results, "PyTorch peer", lambda: run_torch_peer(cfg, model_dir, config.vocab_size, results, emit))
+    reason = peer_skipped(cfg, "hf", PEER_WORKLOADS, "HF transformers peer")
+    if reason:
+        results["peer"] = {"skipped": reason}
     else:
         record(results, "HF transformers", lambda: run_peer(cfg, model_dir, config.vocab_size, results, emit))
     results["wall_s"] = time.perf_counter() - started
+    results["goals"] = goal_rows(results)
     emit(results)
     return results
+
+
+def peer_skipped(cfg: BenchConfig, peer: str, workloads: tuple[str, ...], name: str) -> str | None:
+    """Why a peer does not run in this configuration (before trying to import it), or None."""
+    if not cfg.peer:
+        return f"{name} not measured: --no-peer"
+    if peer not in cfg.peers:
+        return f"{name} not measured: --peers {','.join(cfg.peers) or 'none'}"
+    if not set(cfg.workloads) & set(workloads) and not (peer == "hf" and cfg.sweep):
+        return f"{name} not measured: none of {', '.join(workloads)} was asked for"
+    return None
 
 
 # -- reporting ---------------------------------------------------------------------------------------------
@@ -759,33 +1134,110 @@ def _get(d: dict, *keys):
     return d
 
 
+def goal_rows(results: dict) -> list[dict]:
+    """Issue 29's goal table: each row's goal, tinyvllm's measured value (None: not measured), met or not, and
+    the peers' figures beside it (text, "-" where a peer has none)."""
+    s, ours = results["config"]["sizes"], results["tinyvllm"]
+    torch_, hf = results.get("torch_peer", {}), results.get("peer", {})
+    rows = []
+
+    def row(workload, goal, target, higher, value, text, torch_text=None, hf_text=None):
+        met = None if value is None else (value >= target if higher else value <= target)
+        rows.append({"workload": workload, "goal": goal, "target": target, "higher_is_better": higher,
+                     "value": value, "measured": text if value is not None else "not measured", "met": met,
+                     "torch": torch_text or "-", "hf": hf_text or "-"})
+
+    def rate(value, suffix=""):
+        return None if value is None else _rate(value) + suffix
+
+    for batch, target in ((64, 40_000), (256, 70_000)):
+        row(f"static batch {batch}, prompt {s['static_prompt']} -> {s['static_new']}",
+            f">= {target:,} output tok/s", target, True, _get(ours, "static", str(batch), "output_tok_s"),
+            rate(_get(ours, "static", str(batch), "output_tok_s")),
+            rate(_get(torch_, "static", str(batch), "output_tok_s")))
+    hf_tp = hf.get("throughput")
+    row(f"throughput: {s['num_requests']} requests, prompts and outputs U[{s['prompt_lens'][0]}, "
+        f"{s['prompt_lens'][1]}] / U[{s['output_lens'][0]}, {s['output_lens'][1]}], continuous",
+        ">= 35,000 output tok/s", 35_000, True, _get(ours, "throughput", "continuous", "output_tok_s"),
+        rate(_get(ours, "throughput", "continuous", "output_tok_s")), None,
+        hf_tp and f"{_rate(hf_tp['output_tok_s'])} (generate_batch, {hf_tp['subsample_short']})")
+    pre, torch_pre = ours.get("prefill"), torch_.get("prefill")
+    row(f"prefill {s['prefill_prompt']:,} tokens (TTFT)", "<= 5 ms", 5.0, False, pre and pre["ttft_ms"],
+        pre and f"{pre['ttft_ms']:.2f} ms",
+        torch_pre and f"{torch_pre['ttft_ms']:.2f} ms ({torch_pre['mode']}; eager {torch_pre['eager_ttft_ms']:.2f})",
+        _get(hf, "prefill", "ttft_ms") and f"{hf['prefill']['ttft_ms']:.2f} ms (eager)")
+    lat = _get(ours, "latency", "decode_tok_s")
+    row(f"latency: batch 1, prompt {s['latency_prompt']} -> {s['latency_new']}", ">= 1,300 tok/s", 1_300, True, lat,
+        lat and f"{_rate(lat)} ({ours['latency']['roofline_fraction']:.0%} of roofline)",
+        rate(_get(torch_, "latency", "decode_tok_s")),
+        rate(_get(hf, "latency", "static", "decode_tok_s"), " (static cache + compile)"))
+    for batch, target in ((16, 1.2), (64, 1.5)):
+        mine, theirs = _get(ours, "step", "batches", str(batch)), _get(torch_, "step", "batches", str(batch))
+        row(f"decode step at batch {batch} vs batch 1", f"<= {target}x", target, False, mine and mine["ratio"],
+            mine and f"{mine['ratio']:.2f}x ({mine['step_s'] * 1e3:.2f} ms)",
+            theirs and f"{theirs['ratio']:.2f}x ({theirs['step_s'] * 1e3:.2f} ms)")
+    runs = _get(ours, "startup", "runs") or []
+    row("`tinyvllm generate`, second process on the machine: process start to first token", "<= 10 s", 10.0, False,
+        runs[1]["first_byte_s"] if len(runs) > 1 else None,
+        len(runs) > 1 and f"{runs[1]['first_byte_s']:.1f} s (first, cold cache: {runs[0]['first_byte_s']:.1f} s)")
+    st = ours.get("stalls", {})
+    stalls = st["compiles_after_ready"] + st["captures_after_ready"] if "compiles_after_ready" in st else None
+    row("compiles or graph captures after the engine reports ready, over a varied workload", "0", 0, False, stalls,
+        stalls is not None and f"{st['compiles_after_ready']} compiles, {st['captures_after_ready']} captures "
+        f"(longest step {st['worst_step_s'] * 1e3:,.0f} ms)")
+    return rows
+
+
+def goals_markdown(results: dict) -> list[str]:
+    """The goal table: one line per row of goal_rows."""
+    torch_name = _peer_name(results.get("torch_peer", {}), "PyTorch compiled (ours)")
+    hf = results.get("peer", {})
+    hf_name = f"HF transformers {hf['version']}" if "version" in hf else "HF transformers"
+    lines = ["", f"| goal workload | goal | tinyvllm | met | {torch_name} | {hf_name} |",
+             "| --- | ---: | ---: | :---: | ---: | ---: |"]
+    for r in goal_rows(results):
+        met = {True: "yes", False: "**no**", None: "-"}[r["met"]]
+        lines.append(f"| {r['workload']} | {r['goal']} | {r['measured']} | {met} | {r['torch']} | {r['hf']} |")
+    return lines
+
+
+def _peer_name(theirs: dict, default: str) -> str:
+    return f"{default} (torch {theirs['torch']}, {theirs['dtype']}, {theirs['device']})" if "torch" in theirs \
+        else default
+
+
 def markdown(results: dict) -> str:
-    """A section ready for BENCHMARKS.md: context lines, the main table, the sweep table."""
+    """A section ready for BENCHMARKS.md: context lines, the goal table, the main table, the details."""
     cfg, ours, theirs = results["config"], results["tinyvllm"], results.get("peer", {})
+    torch_ = results.get("torch_peer", {})
     s, v, model = cfg["sizes"], results["versions"], results["model"]
     what = f"random {model['preset']} model (seed {model['seed']})" if model["made"] else f"model {model['dir']}"
     lines = [
         f"{what}, bf16, greedy, ignore_eos; tinyvllm {ours.get('backend', '?')} backend "
-        f"(matmul precision {cfg.get('matmul_precision', 'fp32')}) on "
+        f"(matmul precision {ours.get('matmul_precision', cfg['matmul_precision'])}) on "
         f"{results.get('device', '?')}; {results['date'][:10]}; tinyvllm {v['tinyvllm']} "
         f"(commit {v['git_commit']}), numba {v['numba']}, numba-cuda {v['numba-cuda']}, numpy {v['numpy']}.",
         f"Command: `{results['command']}`",
     ]
-    rows = []  # workload, metric, tinyvllm, peer, tinyvllm speedup
+    if set(cfg["workloads"]) & set(GOAL_WORKLOADS):
+        lines += goals_markdown(results)
+    rows = []  # workload, metric, tinyvllm, PyTorch peer, HF peer, speedup vs PyTorch, speedup vs HF
 
     def speedup(mine, peer, lower_is_better=False):
-        if mine is None or peer is None:
+        if not mine or not peer:
             return ""
         return f"{(peer / mine if lower_is_better else mine / peer):.2f}x"
 
-    lat, peer_lat = ours.get("latency"), theirs.get("latency", {})
-    if lat or peer_lat:
+    lat, peer_lat, torch_lat = ours.get("latency"), theirs.get("latency", {}), torch_.get("latency")
+    if lat or peer_lat or torch_lat:
         mine = lat and lat["decode_tok_s"]
         cell = f"{_rate(mine)} ({lat['roofline_fraction']:.0%} of roofline)" if lat else "-"
-        for peer in [peer_lat[m] for m in ("static", "eager") if m in peer_lat] or [None]:
+        mine_t = torch_lat and torch_lat["decode_tok_s"]
+        for i, peer in enumerate([peer_lat[m] for m in ("static", "eager") if m in peer_lat] or [None]):
             rows.append([f"latency: batch 1, prompt {s['latency_prompt']}, {s['latency_new']} new", "decode tok/s",
-                         cell, f"{_rate(peer['decode_tok_s'])} ({peer['mode']})" if peer else "-",
-                         speedup(mine, peer and peer["decode_tok_s"])])
+                         cell, _rate(mine_t) if mine_t and i == 0 else ("-" if i == 0 else ""),
+                         f"{_rate(peer['decode_tok_s'])} ({peer['mode']})" if peer else "-",
+                         speedup(mine, mine_t) if i == 0 else "", speedup(mine, peer and peer["decode_tok_s"])])
     tp, peer_tp = ours.get("throughput", {}), theirs.get("throughput")
     if tp or peer_tp:
         for i, scheduler in enumerate(cfg["schedulers"]):
@@ -793,20 +1245,29 @@ def markdown(results: dict) -> str:
             peer = peer_tp["output_tok_s"] if peer_tp and i == 0 else None  # continuous batching: the first row
             rows.append([f"throughput: {s['num_requests']} requests, prompts {s['prompt_lens'][0]}-"
                          f"{s['prompt_lens'][1]}, outputs {s['output_lens'][0]}-{s['output_lens'][1]}",
-                         f"output tok/s, {scheduler}", _rate(mine) + _shortfall(tp[scheduler]) if mine else "-",
+                         f"output tok/s, {scheduler}", _rate(mine) + _shortfall(tp[scheduler]) if mine else "-", "-",
                          f"{_rate(peer)} (generate_batch, {peer_tp['subsample_short']}{_shortfall(peer_tp)})"
-                         if peer else "", speedup(mine, peer)])
-    pre, peer_pre = ours.get("prefill"), theirs.get("prefill")
-    if pre or peer_pre:
+                         if peer else "", "", speedup(mine, peer)])
+    for batch in map(str, sorted(cfg["static_batches"]) if "static" in cfg["workloads"] else []):
+        mine, peer = _get(ours, "static", batch, "output_tok_s"), _get(torch_, "static", batch, "output_tok_s")
+        rows.append([f"static batch {batch}, prompt {s['static_prompt']}, {s['static_new']} new",
+                     "output tok/s (prefill included)", _rate(mine) if mine else "-", _rate(peer) if peer else "-",
+                     "-", speedup(mine, peer), ""])
+    pre, peer_pre, torch_pre = ours.get("prefill"), theirs.get("prefill"), torch_.get("prefill")
+    if pre or peer_pre or torch_pre:
         mine, peer = pre and pre["ttft_ms"], peer_pre and peer_pre["ttft_ms"]
+        mine_t = torch_pre and torch_pre["ttft_ms"]
         rows.append([f"prefill: {s['prefill_prompt']}-token prompt", "time to first token (ms)",
-                     f"{mine:.2f}" if mine else "-", f"{peer:.2f} ({peer_pre['mode']})" if peer else "-",
-                     speedup(mine, peer, lower_is_better=True)])
+                     f"{mine:.2f}" if mine else "-",
+                     f"{mine_t:.2f} ({torch_pre['mode']}; eager {torch_pre['eager_ttft_ms']:.2f})" if mine_t else "-",
+                     f"{peer:.2f} ({peer_pre['mode']})" if peer else "-",
+                     speedup(mine, mine_t, lower_is_better=True), speedup(mine, peer, lower_is_better=True)])
     if rows:
         peer_name = (f"HF transformers {theirs['version']} ({theirs['device']}, torch {v['torch']})"
                      if "version" in theirs else "HF transformers")
-        lines += ["", f"| workload | metric | tinyvllm | {peer_name} | tinyvllm speedup |",
-                  "| --- | --- | ---: | ---: | ---: |"]
+        lines += ["", f"| workload | metric | tinyvllm | {_peer_name(torch_, 'PyTorch compiled (ours)')} | "
+                  f"{peer_name} | tinyvllm vs PyTorch | tinyvllm vs HF |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for above, row in zip([None] + rows, rows):  # a workload, metric or value repeated from above is blank
             lines.append("| " + " | ".join("" if above and j < 3 and c == above[j] else c
                                            for j, c in enumerate(row)) + " |")
@@ -814,9 +1275,14 @@ def markdown(results: dict) -> str:
         lines += ["", f"Roofline: {_bytes(model['weight_bytes_per_token'])} of weights per token at "
                   f"{ours['bandwidth_gbs']:,.0f} GB/s ({ours['bandwidth_source']}) = "
                   f"{ours['roofline_tok_s']:,.0f} tok/s at batch 1."]
-    notes = [theirs["skipped"]] if "skipped" in theirs else theirs.get("notes", [])
+    notes = [p["skipped"] for p in (torch_, theirs) if "skipped" in p] + theirs.get("notes", [])
+    runs = [("latency", torch_.get("latency"))]
+    runs += [(f"static batch {b}", r) for b, r in torch_.get("static", {}).items()]
+    notes += [f"PyTorch peer {name}: decode step {r['mode']}"
+              + (f", {r['eager_agreement']}" if r["eager_agreement"] else "") for name, r in runs if r]
     if notes:
         lines += [""] + [f"{note}." for note in notes]
+    lines += details_markdown(results)
     if cfg["sweep"]:
         lines += ["", f"Output tokens/s against batch size: at batch size B, {SWEEP_WAVES}*B requests, prompt "
                   f"{s['sweep_prompt']}, outputs uniform in {s['sweep_output_lens'][0]}-{s['sweep_output_lens'][1]},"
@@ -832,6 +1298,32 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def details_markdown(results: dict) -> list[str]:
+    """Step, startup and stalls in detail (or why each was skipped)."""
+    ours, lines = results["tinyvllm"], []
+    step = ours.get("step", {})
+    if "skipped" in step:
+        lines += ["", f"{step['skipped']}."]
+    elif step:
+        lines += ["", f"Decode step (plain CUDA graph replay, prompts of {step['context']} tokens): "
+                  f"{step['summary']}."]
+    startup = ours.get("startup")
+    if startup:
+        runs = "; ".join(f"{r['run']}: first token after {r['first_byte_s']:.1f} s, exit after {r['exit_s']:.1f} s"
+                         for r in startup["runs"])
+        lines += ["", f"Startup (`{startup['command']}`, a fresh kernel cache for the pair): {runs}."]
+    stalls = ours.get("stalls")
+    if stalls and stalls["phases"]:
+        lines += ["", f"Stalls: the engine ({stalls['backend']}) was ready {stalls['ready_s']:.1f} s after "
+                  f"LLM() was called, with {stalls['prepared_at_ready']} kernel signatures prepared and "
+                  f"{stalls['captures_at_ready']} graphs captured; then:", "",
+                  "| phase | requests | steps | compiles | captures | longest step (ms) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {p['phase']} | {p['requests']} | {p['steps']} | {p['compiles']} | {p['captures']} | "
+                  f"{p['worst_step_s'] * 1e3:,.1f} |" for p in stalls["phases"]]
+    return lines
+
+
 def kernels_markdown(results: dict) -> list[str]:
     """The kernels workload's table (its lines, each after a blank one), or the reason it was skipped."""
     kernels = results["tinyvllm"].get("kernels")
@@ -840,7 +1332,7 @@ def kernels_markdown(results: dict) -> list[str]:
     if "skipped" in kernels:
         return ["", f"{kernels['skipped']}."]
     lines = ["", f"Single kernels as the engine launches them, on {kernels['device']}, matmul precision "
-             f"{results['config']['matmul_precision']}; each checked against reference/ before it was timed. "
+             f"{kernels['matmul_precision']}; each checked against reference/ before it was timed. "
              f"GEMV: batch 1, the weight cold in L2 ({_bytes(kernels['cold_bytes'])} of weight copies cycled "
              "through), GB/s = (weight + x + out) / time; PagedAttention: GB/s = K and V read / time. Targets: "
              "issue 5's, for the H200 and Llama-3.2-1B shapes.", "",
@@ -899,7 +1391,7 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # no `choices`: argparse (3.11) rejects an empty list against them
     p.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                   help="latency, throughput, prefill, kernels or all (none: only the --sweep)")
+                   help=f"{', '.join(WORKLOADS)}, goals (all but kernels) or all (none: only the --sweep)")
     p.add_argument("--model", type=Path, help="an existing model directory (default: make a random one)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b", help="random model shape")
     p.add_argument("--model-dir", type=Path, help="where to make the random model (default: a temporary dir)")
@@ -910,12 +1402,18 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="of the card, per tinyvllm engine (default 0.5: the peer shares the GPU later in the run)")
-    p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32",
-                   help="tinyvllm's matmul inputs: fp32 (default, exact) or rounded to bf16 (as vLLM and HF do)")
+    p.add_argument("--matmul-precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="tinyvllm's matmul inputs: auto (default: the engine's own, bf16 on the GPU), fp32 (exact) "
+                        "or rounded to bf16 (as vLLM and HF do)")
     p.add_argument("--bandwidth-gbs", type=float,
                    help="the copy bandwidth of the roofline (default: a device-to-device copy measured at the "
                         f"start; without a GPU, {H200_COPY_GBS:,.0f}: the H200's)")
-    p.add_argument("--no-peer", action="store_true", help="skip HF transformers")
+    p.add_argument("--no-peer", action="store_true", help="skip every peer")
+    p.add_argument("--peers", type=lambda text: [x for x in text.split(",") if x and x != "none"],
+                   default=list(PEERS), metavar="torch,hf",
+                   help="which peers run: torch (tools/torch_peer.py), hf (transformers), or none (default both)")
+    p.add_argument("--static-batches", type=lambda text: [int(b) for b in text.split(",")], default=[16, 64, 256],
+                   metavar="B1,B2,...", help="batch sizes of the static workload (default 16,64,256)")
     p.add_argument("--peer-requests", type=int, default=64,
                    help="requests of the throughput workload the HF peer runs (default 64: bounded time)")
     p.add_argument("--sweep", type=lambda text: [int(b) for b in text.split(",")], default=[], metavar="B1,B2,...",
@@ -926,22 +1424,28 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("--markdown", type=Path, help="write the table here (it is also printed)")
     a = p.parse_args(argv)
-    workloads = list(WORKLOADS) if "all" in a.workloads else [w for w in WORKLOADS if w in a.workloads]
-    unknown = [w for w in a.workloads if w not in (*WORKLOADS, "all")]
+    named = set(a.workloads) | (set(WORKLOADS) if "all" in a.workloads else set()) | \
+        (set(GOAL_WORKLOADS) if "goals" in a.workloads else set())
+    workloads = [w for w in WORKLOADS if w in named]
+    unknown = [w for w in a.workloads if w not in (*WORKLOADS, "goals", "all")]
     if unknown:
-        p.error(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}, all")
+        p.error(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}, goals, all")
     if not a.workloads and not a.sweep:
-        p.error(f"name a workload ({', '.join(WORKLOADS)}, all) or give --sweep")
-    if (any(b < 1 for b in a.sweep) or a.peer_requests < 1 or a.max_num_seqs < 1
+        p.error(f"name a workload ({', '.join(WORKLOADS)}, goals, all) or give --sweep")
+    if set(a.peers) - set(PEERS):
+        p.error(f"unknown peer {sorted(set(a.peers) - set(PEERS))[0]!r} in --peers: choose from torch, hf, none")
+    if (any(b < 1 for b in a.sweep + a.static_batches) or a.peer_requests < 1 or a.max_num_seqs < 1
             or (a.bandwidth_gbs is not None and not a.bandwidth_gbs > 0)):
-        p.error("--sweep batch sizes, --peer-requests, --max-num-seqs and --bandwidth-gbs must be positive")
+        p.error("--sweep and --static-batches batch sizes, --peer-requests, --max-num-seqs and --bandwidth-gbs "
+                "must be positive")
     return BenchConfig(workloads=workloads, sizes=QUICK if a.quick else Sizes(), model=a.model, preset=a.preset,
                        model_dir=a.model_dir, backend=a.backend,
                        schedulers=list(SCHEDULERS) if a.scheduler == "both" else [a.scheduler],
                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                        gpu_memory_utilization=a.gpu_memory_utilization, bandwidth_gbs=a.bandwidth_gbs,
                        matmul_precision=a.matmul_precision,
-                       peer=not a.no_peer, peer_requests=a.peer_requests, sweep=a.sweep, seed=a.seed,
+                       peer=not a.no_peer, peers=a.peers, peer_requests=a.peer_requests, sweep=a.sweep,
+                       static_batches=a.static_batches, seed=a.seed,
                        command=shlex.join(["python3", "tools/bench.py", *argv])), a
 
 
@@ -950,6 +1454,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
 
     def emit(results):
+        results["goals"] = goal_rows(results)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
         if args.markdown:

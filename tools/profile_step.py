@@ -1,6 +1,6 @@
 """Where the GPU time of one decode step goes, kernel by kernel, on the CUDA engine (needs a GPU).
 
-    python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision fp32] [--json out.json]
+    python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision auto] [--json out.json]
                                   [--ablate] [--gemv N,K=WARPS,ROWS,UNROLL,SPLIT[,PIPELINED] ...]
                                   [--gemv N,K=staged,ROWS,WARPS ...]
 
@@ -143,24 +143,73 @@ def graph_time(graph, stream) -> float:
     return cuda.event_elapsed_time(start, stop) / 1e3 / REPLAYS
 
 
-def profile(model_dir: Path, batch: int, context: int, precision: str, ablate: bool = False,
-            gemv_variants: tuple = ()) -> dict:
-    from tinyvllm.cuda_graph import CUDAGraph
+def decoding_engine(model_dir: Path, max_batch: int, context: int, precision: str):
+    """A CUDA engine for up to max_batch sequences of `context`-token prompts (plus a few decode steps)."""
     from tinyvllm.engine import LLMEngine
+
+    return LLMEngine.from_options(model_dir, backend="cuda", max_num_seqs=max_batch,
+                                  num_kv_blocks=max(256, max_batch * (-(-(context + 64) // 16))),
+                                  matmul_precision=precision, enable_prefix_caching=False)
+
+
+def replayed_graph(engine, batch: int, context: int):
+    """Serve `batch` requests with `context`-token prompts until they decode; returns the CUDA graph their last
+    decode step replayed. (Found by watching replays, not by guessing its key: a warmed-up engine holds a graph
+    for every batch and table-width bucket.) The requests are left running."""
+    from tinyvllm.cuda_graph import CUDAGraph
     from tinyvllm.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_options(model_dir, backend="cuda", max_num_seqs=batch,
-                                    num_kv_blocks=max(256, batch * (-(-(context + 64) // 16))),
-                                    matmul_precision=precision, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
     for _ in range(batch):
         engine.add_request(rng.integers(0, 10000, context).tolist(),
-                           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), final_only=True)
-    for _ in range(8):  # prefill, then decode steps (the first captures the graph)
-        engine.step()
+                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), final_only=True)
+    replayed, replay = [], CUDAGraph.replay
+
+    def watched(graph):
+        replayed.append(graph)
+        replay(graph)
+
+    CUDAGraph.replay = watched
+    try:
+        for _ in range(10):  # prefill (a step or a few), then decode steps (a first one may capture the graph)
+            engine.step()
+    finally:
+        CUDAGraph.replay = replay
+    if not replayed:
+        raise RuntimeError(f"batch {batch}: no decode step replayed a CUDA graph (enforce_eager, or no GPU?)")
+    return replayed[-1]
+
+
+def graph_key(runner, graph) -> tuple | None:
+    """The runner's key of `graph`: (batch bucket, table-width bucket, sampling mode); None if it holds no such
+    graph."""
+    return next((key for key, g in runner.graphs.items() if g is graph), None)
+
+
+def step_times(model_dir: Path, batches: list[int], context: int, precision: str) -> dict:
+    """{batch: {"graph_s": the plain decode graph's mean replay time, "graph_batch": its batch bucket}}, all
+    batches on one engine sized for the largest (a graph's time depends on its bucket, not on the engine)."""
+    engine = decoding_engine(model_dir, max(batches), context, precision)
+    times = {}
+    for batch in batches:
+        graph = replayed_graph(engine, batch, context)
+        key = graph_key(engine.runner, graph)
+        times[batch] = {"graph_s": graph_time(graph, engine.runner.stream), "graph_batch": key and key[0]}
+        while engine.has_unfinished_requests():
+            engine.step()
+    return times
+
+
+def profile(model_dir: Path, batch: int, context: int, precision: str, ablate: bool = False,
+            gemv_variants: tuple = ()) -> dict:
+    from tinyvllm.cuda_graph import CUDAGraph
+
+    engine = decoding_engine(model_dir, batch, context, precision)
     runner = engine.runner
-    key = next(k for k in runner.graphs if k[0] >= batch)
-    plain = runner.graphs[key]
+    plain = replayed_graph(engine, batch, context)
+    key = graph_key(runner, plain)
+    if key is None:
+        raise RuntimeError("the replayed decode graph is not among runner.graphs: profile cannot capture it again")
     b, w, greedy = key
     from tinyvllm.step_inputs import StepShape
 
@@ -186,7 +235,7 @@ def profile(model_dir: Path, batch: int, context: int, precision: str, ablate: b
         previous = event
     total = sum(t for t, _ in times.values())
     plain_s = graph_time(plain, stream)
-    result = {"batch": batch, "graph_batch": b, "context": context, "matmul_precision": precision,
+    result = {"batch": batch, "graph_batch": b, "context": context, "matmul_precision": runner.matmul_precision,
               "graph_s": plain_s, "marked_graph_s": total,
               "kernels": [{"kernel": k, "launches": n, "seconds": t} for k, (t, n) in
                           sorted(times.items(), key=lambda item: -item[1][0])]}
@@ -252,7 +301,8 @@ def main() -> int:
     p.add_argument("--model", type=Path, help="a model directory (default: a random Llama-3.2-1B-shaped one)")
     p.add_argument("--batch", type=lambda t: [int(b) for b in t.split(",")], default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256, help="prompt tokens of every request (default 256)")
-    p.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--matmul-precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="the engine's matmul inputs (default auto: the engine's default, bf16 on the GPU)")
     p.add_argument("--json", type=Path)
     p.add_argument("--ablate", action="store_true", help="time the step without each kernel function in turn")
     p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S[,P]|N,K=staged,R,W",
