@@ -39,6 +39,7 @@ the simulator: first seen), so that a caller can check that none is added after 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -102,6 +103,20 @@ def compiled() -> int:
     return _compiled[0]
 
 
+_preparing = [False]
+
+
+@contextlib.contextmanager
+def preparing():
+    """Inside, `launch` only compiles (or loads) the kernel for its arguments and returns: nothing runs. A
+    warm-up walks a step's launches this way to have every kernel ready before the first request."""
+    _preparing[0] = True
+    try:
+        yield
+    finally:
+        _preparing[0] = False
+
+
 if SIMULATOR:
     def view(array, shape=None, dtype=None):
         """array (C-contiguous) seen as `shape` of `dtype`: Numba's view and reshape in the simulator."""
@@ -113,7 +128,8 @@ if SIMULATOR:
     def _submit(kernel, grid, block, stream, args, shared, dependent):
         """Numba's own launch: the simulator has no driver to call, and no PDL."""
         _prepared.add((kernel, tuple((a.dtype, len(a.shape)) if hasattr(a, "shape") else type(a) for a in args)))
-        kernel[grid, block, stream, shared](*args)
+        if not _preparing[0]:
+            kernel[grid, block, stream, shared](*args)
 
 else:
     from cuda.bindings import driver as _drv
@@ -301,6 +317,8 @@ else:
             _prepared.add(key)
         if shared > entry.shared:
             entry.allow_shared(shared)
+        if _preparing[0]:
+            return
         config = _configs()[1 if dependent and pdl_enabled() else 0]
         config.gridDimX, config.gridDimY, config.gridDimZ = _dim3(grid)
         config.blockDimX, config.blockDimY, config.blockDimZ = _dim3(block)

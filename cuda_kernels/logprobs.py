@@ -37,6 +37,7 @@ from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cu
 from numba import cuda, float32, float64, int32
 
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch
 from cuda_kernels.primitives import WARP
 # the argmax order and the block reductions of the sampling kernels (shared memory only, no shuffles)
 from cuda_kernels.sampling import NO_INDEX, _beats, _block_argmax, _block_max, _block_sum
@@ -159,5 +160,5 @@ def top_logprobs(logits, targets, num_logprobs, out_ids, out_logprobs, out_ranks
     if threads % WARP or not WARP <= threads <= 1024:
         raise ValueError(f"threads must be a multiple of {WARP} in [{WARP}, 1024], got {threads}")
     if rows:
-        _top_logprobs_kernel(width, threads)[rows, threads, stream](logits, targets, num_logprobs, out_ids,
-                                                                     out_logprobs, out_ranks)
+        launch(_top_logprobs_kernel(width, threads), rows, threads, stream, logits, targets, num_logprobs, out_ids,
+               out_logprobs, out_ranks)

@@ -116,6 +116,7 @@ from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda impo
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch
 from cuda_kernels.primitives import WARP, f32_bits
 
 #: block sizes the kernels accept: whole warps, at most 32 of them, and a divisor of RADIX_BINS
@@ -1094,7 +1095,7 @@ def argmax_naive(logits, out, stream=0, threads=64):
     _check_threads(threads)
     if num_seqs == 0:
         return
-    _argmax_naive_kernel[(num_seqs + threads - 1) // threads, threads, stream](logits, out)
+    launch(_argmax_naive_kernel, (num_seqs + threads - 1) // threads, threads, stream, logits, out)
 
 
 def argmax_partitions(num_rows, vocab):
@@ -1169,7 +1170,7 @@ def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=No
         _check_threads(threads)
         if num_seqs == 0:
             return
-        _argmax_kernel(threads)[num_seqs, threads, stream](logits, out)
+        launch(_argmax_kernel(threads), num_seqs, threads, stream, logits, out)
         return
     threads = SPLIT_THREADS if threads is None else threads
     _check_threads(threads)
@@ -1181,12 +1182,12 @@ def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=No
     if num_seqs == 0:
         return
     if parts == 1:  # stage 1 alone: its one partial per row is the token
-        _argmax_partial_kernel(threads)[(num_seqs, 1), threads, stream](logits, chunk, out)
+        launch(_argmax_partial_kernel(threads), (num_seqs, 1), threads, stream, logits, chunk, out)
         return
     part_index = workspace[:num_seqs * parts]
-    _argmax_partial_kernel(threads)[(num_seqs, parts), threads, stream](logits, chunk, part_index)
+    launch(_argmax_partial_kernel(threads), (num_seqs, parts), threads, stream, logits, chunk, part_index)
     merge_threads = next((b for b in BLOCK_SIZES if b >= parts), BLOCK_SIZES[-1])
-    _argmax_merge_kernel(merge_threads)[num_seqs, merge_threads, stream](logits, part_index, parts, out)
+    launch(_argmax_merge_kernel(merge_threads), num_seqs, merge_threads, stream, logits, part_index, parts, out)
 
 
 def _sample_sections(workspace, num_rows, parts, threads):
@@ -1241,7 +1242,8 @@ def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, thr
         _check_threads(threads)
         if num_seqs == 0:
             return
-        _sample_kernel(threads)[num_seqs, threads, stream](logits, temperature, top_k, top_p, min_p, uniform, out)
+        launch(_sample_kernel(threads), num_seqs, threads, stream, logits, temperature, top_k, top_p, min_p,
+               uniform, out)
         return
     threads = SPLIT_THREADS if threads is None else threads
     _check_threads(threads)
@@ -1255,16 +1257,16 @@ def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, thr
     hist, state, zstate, part_index, part_low, part_sum, part_last, unit_mass = \
         _sample_sections(workspace, num_seqs, parts, threads)
     grid = (num_seqs, parts)
-    _sample_max_kernel(threads)[grid, threads, stream](logits, temperature, chunk, part_index, part_low,
-                                                       part_last, hist)
-    _sample_sum_kernel(threads)[grid, threads, stream](logits, temperature, top_k, top_p, chunk, part_index,
-                                                       part_low, part_sum, state, zstate)
+    launch(_sample_max_kernel(threads), grid, threads, stream, logits, temperature, chunk, part_index, part_low,
+           part_last, hist)
+    launch(_sample_sum_kernel(threads), grid, threads, stream, logits, temperature, top_k, top_p, chunk, part_index,
+           part_low, part_sum, state, zstate)
     for digit in range(RADIX_PASSES):
-        _sample_hist_kernel(threads)[grid, threads, stream](logits, temperature, chunk, digit, part_sum, state,
-                                                            zstate, hist)
-        _sample_select_kernel(threads)[num_seqs, threads, stream](temperature, digit, part_sum, state, zstate,
-                                                                  hist)
-    _sample_mass_kernel(threads)[grid, threads, stream](logits, temperature, min_p, chunk, state, zstate,
-                                                        part_last, unit_mass)
-    _sample_draw_kernel(threads)[num_seqs, threads, stream](logits, temperature, min_p, uniform, chunk, state,
-                                                            zstate, part_last, unit_mass, out)
+        launch(_sample_hist_kernel(threads), grid, threads, stream, logits, temperature, chunk, digit, part_sum,
+               state, zstate, hist)
+        launch(_sample_select_kernel(threads), num_seqs, threads, stream, temperature, digit, part_sum, state,
+               zstate, hist)
+    launch(_sample_mass_kernel(threads), grid, threads, stream, logits, temperature, min_p, chunk, state, zstate,
+           part_last, unit_mass)
+    launch(_sample_draw_kernel(threads), num_seqs, threads, stream, logits, temperature, min_p, uniform, chunk,
+           state, zstate, part_last, unit_mass, out)

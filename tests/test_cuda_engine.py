@@ -303,6 +303,24 @@ def test_cuda_graphs_give_the_eager_tokens(llama_1b, gpu_llm):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
+def test_nothing_compiles_or_captures_after_the_warm_up(gpu_llm):
+    """The engine warmed up in its constructor (tinyvllm/warmup.py): a varied workload afterwards (batch
+    buckets from 1 to 64 and in between, prompts from 1 to 3,000 tokens, greedy and sampled) neither compiles
+    a kernel signature nor captures a graph."""
+    from cuda_kernels import launch
+    from tinyvllm import cuda_graph
+
+    ready_kernels, ready_graphs = launch.prepared(), cuda_graph.captures()
+    rng = np.random.default_rng(6)
+    for batch, longest in ((1, 3000), (3, 40), (17, 500), (64, 200), (5, 1)):
+        prompts = [rng.integers(0, 10000, int(n)).tolist() for n in rng.integers(1, longest + 1, batch)]
+        for params in (SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=5, ignore_eos=True)):
+            gpu_llm.generate(prompts, params, use_tqdm=False)
+    assert (launch.prepared(), cuda_graph.captures()) == (ready_kernels, ready_graphs)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 def test_256_mixed_requests_complete_without_leaks(llama_1b, gpu_llm, policy, record_property):
     import time

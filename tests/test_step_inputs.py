@@ -91,10 +91,11 @@ def test_padded_step_round_trips_through_the_device(s, pad, width, wpad, seed):
 
 
 def test_buckets():
-    assert batch_buckets(256)[:7] == (1, 2, 4, 8, 16, 32, 48) and batch_buckets(256)[-1] == 256
+    assert batch_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
     assert batch_buckets(40) == (1, 2, 4, 8, 16, 32, 40) and batch_buckets(1) == (1,)
-    assert width_buckets(8192) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    assert width_buckets(100) == (16, 32, 64, 100) and width_buckets(5) == (5,)
+    assert batch_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 300)
+    assert width_buckets(8192) == (16, 64, 256, 1024, 4096, 8192)
+    assert width_buckets(100) == (16, 64, 100) and width_buckets(5) == (5,)
 
 
 def test_entries_grow_and_are_copied_after_the_shape():

@@ -42,6 +42,7 @@ from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cu
 from cuda_kernels import attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
 from cuda_kernels import kv_cache, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import preparing
 from numba import cuda
 
 from reference.rope import rope_tables
@@ -318,6 +319,24 @@ class CUDARunner:
             logprobs.top_logprobs(logits, v["prompt_targets"][start:end], v["prompt_num_logprobs"][start:end],
                                   *(a[start:end] for a in out), stream)
 
+    def prepare(self, shape: StepShape, max_q_len: int, mode: SamplingMode) -> None:
+        """Compile (or load from the kernel cache) every kernel a step of this shape and mode launches,
+        running none of them (tinyvllm/warmup.py)."""
+        if mode.penalties or mode.logprobs or shape.prompt_rows:
+            self._feature()
+        with preparing():
+            self._forward(self.inputs.views(shape), shape, max_q_len, mode, self.stream, chained=True)
+
+    def capture(self, batch: int, width: int, mode: SamplingMode) -> None:
+        """Capture the decode graph of a (batch, width) bucket and mode now, if it is not yet: the graph is
+        recorded from the launches alone (its kernels ready, see prepare); it reads its inputs when replayed."""
+        key = (batch, width, mode)
+        if self.use_graphs and key not in self.graphs:
+            shape = StepShape(batch, batch, batch, width)
+            self.prepare(shape, 1, mode)
+            self.graphs[key] = CUDAGraph(partial(self._forward, self.inputs.views(shape), shape, 1, mode,
+                                                 chained=True), self.stream)
+
     def _planes_for(self, t: int, n: int, gated: bool):
         """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) runs gemm_pipelined
         (which then reads h's planes, written by the norm before it), else None."""
@@ -403,15 +422,19 @@ def _bucket(size: int, buckets: tuple[int, ...]) -> int:
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """CUDA-graph batch sizes: 1, 2, 4, 8, 16, then steps of 16, up to max_num_seqs (vLLM's scheme)."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    """CUDA-graph batch sizes: powers of two up to 128, then steps of 64, up to max_num_seqs.
+    NOTE: few buckets, because the warm-up captures every one of them before the engine reports ready. The
+    padding they cost is small: the decode GEMMs' tiles already round M up to 16, 32, 64 or 128 rows
+    (gemm_pipelined.SKINNY_TILES), and a padding row's attention is empty (context length 0)."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_num_seqs] + list(range(192, max_num_seqs, 64))
     return tuple(sizes) + (max_num_seqs,)
 
 
 def width_buckets(max_width: int) -> tuple[int, ...]:
-    """Block-table widths graphs are captured for: powers of two from 16 blocks, up to max_width."""
+    """Block-table widths graphs are captured for: 16 blocks, then x4 (64, 256, ...), up to max_width. Coarse
+    for the same reason as batch_buckets; a wider table than needed only copies unused columns."""
     sizes, w = [], 16
     while w < max_width:
         sizes.append(w)
-        w *= 2
+        w *= 4
     return tuple(sizes) + (max_width,)

@@ -108,6 +108,9 @@ class EngineOptions:
     # engine (its fast path, what the benchmarks measure) and fp32 on the CPU reference (exact inputs)
     matmul_precision: str = "auto"
     async_scheduling: bool = True             # launch the next decode step before reading this one's tokens
+    # CUDA backend: make every kernel ready and capture the decode graphs before the engine is returned
+    # (tinyvllm/warmup.py), so no request waits on either; None: on a GPU yes, in Numba's simulator no
+    warmup: bool | None = None
 
     def __post_init__(self):
         if self.backend not in ("auto", "cpu", "cuda"):
@@ -119,6 +122,14 @@ class EngineOptions:
                              f"got {self.matmul_precision!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def _warms_up(opts: EngineOptions) -> bool:
+    if opts.warmup is not None:
+        return opts.warmup
+    from cuda_kernels.compat import SIMULATOR
+
+    return not SIMULATOR
 
 
 @dataclass
@@ -167,6 +178,10 @@ class LLMEngine:
         config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         runner = make_runner(opts, config, load_weights(model_dir, config))
+        if runner.name == "cuda" and _warms_up(opts):
+            from tinyvllm.warmup import warm_up
+
+            warm_up(runner)
         return cls(model_dir, tokenizer, config, runner, opts)
 
     # -- requests ---------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""tinyvllm/warmup.py: after the engine reports ready, no step compiles a kernel or captures a graph.
+
+In the simulator the CUDA engine runs the tiny model with small limits, so that the warm-up walks every
+class of shapes quickly; kernels count by signature there (cuda_kernels.launch.prepared), graphs do not
+exist. On a GPU the same holds on the Llama-3.2-1B-shaped model, graphs included (tests/test_cuda_engine.py
+uses the warmed engine's counters too)."""
+
+import numpy as np
+
+from cuda_kernels import launch
+from tinyvllm import LLM, SamplingParams, cuda_graph
+from tinyvllm.warmup import token_counts
+
+
+def test_token_counts_cover_every_class_of_the_matmul_policies():
+    assert token_counts(8192)[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128]
+    assert token_counts(8192)[12:14] == [192, 256] and token_counts(8192)[-1] == 8192
+    assert token_counts(5) == [1, 2, 3, 4, 5] and token_counts(100) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 100]
+
+
+def test_no_kernel_is_prepared_after_the_warm_up(tiny_model_dir):
+    llm = LLM(tiny_model_dir, backend="cuda", block_size=4, max_num_seqs=3, max_num_batched_tokens=8,
+              num_kv_blocks=24, warmup=True, matmul_precision="fp32")
+    ready_kernels, ready_graphs = launch.prepared(), cuda_graph.captures()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 7, 13)]   # chunked: the budget is 8 tokens
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)]
+    llm.generate(prompts, params, use_tqdm=False)        # one batch: greedy, sampled and logprobs rows
+    llm.generate(prompts[:1], params[0], use_tqdm=False)  # alone: batch 1
+    assert launch.prepared() == ready_kernels
+    assert cuda_graph.captures() == ready_graphs
