@@ -262,7 +262,8 @@ def test_sampling_features_through_graphs_equal_eager_and_the_cpu_reference(llam
     assert any(m.penalties and m.logprobs for m in modes), modes
     cpu = LLM(llama_1b, backend="cpu", num_kv_blocks=128)
     want = cpu.generate(prompts[:2], params[:2], use_tqdm=False)
-    assert_same_outputs(got[:2], want, tol=0.05, exact_ids=False)
+    # the first-step logits test allows 2^-8 of the largest logit per logit; a log-probability is two logits
+    assert_same_outputs(got[:2], want, tol=0.08, exact_ids=False)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
