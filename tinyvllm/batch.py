@@ -179,17 +179,21 @@ def pack(scheduled: list[ScheduledSequence], block_size: int) -> tuple[ForwardBa
         starts.append(start)
         lengths.append(item.num_new_tokens)
         tables.append(seq.block_table)
-        if item.samples:
+        if not item.samples:
+            repeats.append(0)
+        elif item.forks:
             samplers.append(seq)
             samplers.extend(item.forks)
             repeats.append(1 + len(item.forks))
         else:
-            repeats.append(0)
-        if seq.params.prompt_logprobs is not None:
-            first, stop = prompt_logprob_range(item)
-            if stop > first:
-                prompt.append((i, first, stop, seq))
-        features = features or seq.features
+            samplers.append(seq)
+            repeats.append(1)
+        if seq.features:
+            features = True
+            if seq.params.prompt_logprobs is not None:
+                first, stop = prompt_logprob_range(item)
+                if stop > first:
+                    prompt.append((i, first, stop, seq))
     lengths = np.asarray(lengths, np.int32)
     cu = np.zeros(len(scheduled) + 1, np.int32)
     np.cumsum(lengths, out=cu[1:])

@@ -90,7 +90,11 @@ class BlockManager:
         return len(seq.block_table) * self.block_size
 
     def _shared_write_block(self, seq: Sequence) -> int | None:
-        """The index in seq's block table of the block its next token goes to, if other sequences hold it."""
+        """The index in seq's block table of the block its next token goes to, if other sequences hold it.
+        NOTE: only a forked sequence can write into a shared block (the prefix cache shares full blocks, never
+        written again), so the others skip the lookup: this runs for every sequence at every step."""
+        if not seq.forked:
+            return None
         b = seq.num_computed_tokens // self.block_size
         if b < len(seq.block_table) and self.blocks[seq.block_table[b]].ref_count > 1:
             return b
@@ -98,8 +102,8 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free blocks the next `num_new_tokens` tokens of `seq` take (a copy-on-write block included)."""
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed + (self._shared_write_block(seq) is not None)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return needed + 1 if seq.forked and self._shared_write_block(seq) is not None else needed
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
@@ -108,11 +112,12 @@ class BlockManager:
         """Make room for the next `num_new_tokens` tokens of `seq` (call can_allocate first). Returns the
         (source, destination) block copy the runner must make before the step, or None: when the first new
         token goes to a block other sequences hold, seq gets a private copy of it (copy-on-write)."""
-        needed = self.blocks_needed(seq, num_new_tokens)
+        shared = self._shared_write_block(seq) if seq.forked else None
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        needed += shared is not None
         if needed > self.num_free_blocks:
             raise RuntimeError(f"KV cache exhausted: need {needed} blocks, {self.num_free_blocks} free")
         copy = None
-        shared = self._shared_write_block(seq)
         if shared is not None:
             source, fresh = seq.block_table[shared], self._fresh()
             self.blocks[source].ref_count -= 1   # still >= 1: the other holders keep it
@@ -130,6 +135,7 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_hashed_blocks = parent.num_hashed_blocks
+        parent.forked = child.forked = True
 
     def _fresh(self) -> int:
         """Take the least recently freed block for new data (its prefix-cache entry, if any, is dropped)."""

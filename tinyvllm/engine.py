@@ -159,6 +159,7 @@ class LLMEngine:
         self._streams: dict[int, TextStream] = {}
         self._prompts: dict[str, str | None] = {}
         self._by_request: dict[str, list[Sequence]] = {}   # a request's n sequences, completion 0 first
+        self._num_special = 0   # unfinished requests with n > 1 or prompt logprobs (each step looks for them)
         self.num_generated_tokens = 0           # over the engine's life: progress bars read it
         self._inflight: _Launched | None = None  # a step launched ahead, its tokens not read yet
         self._ids = itertools.count()
@@ -230,6 +231,7 @@ class LLMEngine:
             seqs.append(Sequence(request_id, ids, params, seed, index=index, masked_ids=masked))
             self._streams[seqs[-1].seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
         seqs[0].forks = seqs[1:]
+        self._num_special += params.n > 1 or params.prompt_logprobs is not None
         self._by_request[request_id] = seqs
         self._prompts[request_id] = text
         self.scheduler.add(seqs[0])
@@ -269,14 +271,18 @@ class LLMEngine:
         is written in stream order) and each sampling sequence gets a PENDING output token. A sequence that
         draws its first token with completions still to fork has them draw theirs from its row, and forks them
         (they share its blocks from then on)."""
-        for item in scheduled:
-            if item.seq.forks and item.samples:
-                item.forks = list(item.seq.forks)
-        prompt_rows = [(item.seq, *prompt_logprob_range(item)) for item in scheduled
-                       if item.seq.params.prompt_logprobs is not None]
-        prompt_rows = [(seq, first, stop) for seq, first, stop in prompt_rows if stop > first]
+        prompt_rows = []
+        for item in scheduled if self._num_special else ():  # requests with n > 1 or prompt logprobs
+            seq = item.seq
+            if seq.forks and item.samples:
+                item.forks = list(seq.forks)
+            if seq.features and seq.params.prompt_logprobs is not None:
+                first, stop = prompt_logprob_range(item)
+                if stop > first:
+                    prompt_rows.append((seq, first, stop))
         handle = self.runner.launch(scheduled, chain_src)
         sampled, rows = [], []
+        wants = bool(prompt_rows)
         for item in scheduled:
             seq = item.seq
             samples = item.samples  # NOTE: before the accounting below, which changes what it reads
@@ -285,6 +291,7 @@ class LLMEngine:
             if samples:
                 rows.append((seq, len(seq.output_token_ids)))
                 seq.output_token_ids.append(PENDING)
+                wants = wants or seq.logprobs is not None
             if item.forks:
                 self.scheduler.add_forks(seq, item.forks)
                 for child in item.forks:
@@ -293,7 +300,6 @@ class LLMEngine:
                     child.prompt_logprobs_next = len(child.prompt_token_ids)  # completion 0 reports them
         for seq, _, stop in prompt_rows:
             seq.prompt_logprobs_next = stop
-        wants = bool(prompt_rows) or any(seq.logprobs is not None for seq, _ in rows)
         return _Launched(scheduled, sampled, handle, rows, prompt_rows, wants)
 
     def _launch_next_decode(self, current: "_Launched") -> "_Launched | None":
@@ -326,7 +332,8 @@ class LLMEngine:
             if seq.is_finished:
                 continue  # stopped (or aborted) while this step ran: the token is not its
             seq.output_token_ids[index] = token
-            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+            if seq.counts_outputs:
+                seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
             if seq.logprobs is not None:
                 self._add_logprobs(seq, logprobs, row)
             count = index + 1
@@ -345,12 +352,14 @@ class LLMEngine:
                 del seq.output_token_ids[count:]  # a token the next step samples for it is not its
                 new_text += stream.finish()
                 self.scheduler.finish(seq, reason)
+            elif stream.final_only:
+                continue  # reported once, when it finishes
             text = changed.get(seq.request_id, "")
             changed[seq.request_id] = text + new_text if seq.index == 0 else text
         outputs = []
         for request_id, new_text in changed.items():
             seqs = self._by_request[request_id]
-            finished = all(seq.is_finished for seq in seqs)
+            finished = seqs[0].is_finished if len(seqs) == 1 else all(seq.is_finished for seq in seqs)
             if finished or not self._streams[seqs[0].seq_id].final_only:
                 outputs.append(self._output(seqs, new_text))
             if finished:
@@ -423,7 +432,11 @@ class LLMEngine:
                      "last_token_time": max(last_times) if last_times else None})
 
     def _forget(self, first: Sequence) -> None:
-        for seq in self._by_request.pop(first.request_id, [first]):
+        seqs = self._by_request.pop(first.request_id, None)
+        if seqs is None:
+            return
+        self._num_special -= first.params.n > 1 or first.params.prompt_logprobs is not None
+        for seq in seqs:
             self._streams.pop(seq.seq_id, None)
         self._prompts.pop(first.request_id, None)
 

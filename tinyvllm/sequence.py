@@ -59,12 +59,14 @@ class Sequence:
     cumulative_logprob: float | None = None
     prompt_logprobs: list | None = None         # [None, {id: Logprob}, ...], when params.prompt_logprobs is set
     prompt_logprobs_next: int = 0               # the next position whose logits give a prompt logprob
+    forked: bool = False                        # shares blocks with other completions (block_manager.fork)
 
     def __post_init__(self):
         p = self.params
         # whether the step packing has more to do for it than the plain sampling parameters
         self.features = bool(p.uses_penalties or p.logit_bias or (p.min_tokens and self.masked_ids)
                              or p.logprobs is not None or p.prompt_logprobs is not None)
+        self.counts_outputs = p.uses_penalties  # output_counts are kept only when a penalty reads them
         if p.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
         if p.prompt_logprobs is not None:
