@@ -143,11 +143,15 @@ def load(cache_key: str) -> tuple[str, bytes] | None:
     return (name, cubin) if cubin else None
 
 
-def store(cache_key: str, name: str, cubin: bytes) -> None:
-    """Write an entry (atomically); an unwritable directory leaves the cache off, silently."""
+def store(cache_key: str, name: str, cubin) -> None:
+    """Write an entry (atomically). cubin: bytes, or an object holding them in `.code` (cuda.core's
+    ObjectCode, what Numba's code library returns). Anything else, or an unwritable directory, leaves the
+    entry unwritten, silently: the cache only ever saves time."""
     root = directory()
-    if root is None or cache_key is None:
+    code = getattr(cubin, "code", cubin)
+    if root is None or cache_key is None or not isinstance(code, (bytes, bytearray, memoryview)):
         return
+    cubin = bytes(code)
     try:
         root.mkdir(parents=True, exist_ok=True)
         encoded = name.encode()

@@ -270,7 +270,8 @@ else:
             name, cubin = hit
             try:
                 code = ObjectCode.from_cubin(cubin)
-                return code.get_kernel(name).handle, code
+                loaded = code.get_kernel(name)
+                return loaded.handle, (code, loaded)
             except Exception:   # a damaged or foreign entry: compile, and overwrite it below
                 pass
         compiled = kernel.compile(argtypes)

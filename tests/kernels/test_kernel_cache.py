@@ -60,6 +60,15 @@ def test_entries_round_trip_and_damage_is_ignored(tmp_path, monkeypatch):
     cubin = bytes(range(256)) * 3
     kernel_cache.store("abc", "_Z6kernelPf", cubin)
     assert kernel_cache.load("abc") == ("_Z6kernelPf", cubin)
+
+    class ObjectCode:   # what Numba's code library returns: the bytes in .code
+        code = cubin[::-1]
+
+    kernel_cache.store("def", "k", ObjectCode())
+    assert kernel_cache.load("def") == ("k", cubin[::-1])
+    ObjectCode.code = "/a/path.cubin"   # code that is not bytes is not stored
+    kernel_cache.store("ghi", "k", ObjectCode())
+    assert kernel_cache.load("ghi") is None
     assert kernel_cache.load("other") is None
     (tmp_path / "abc.cubin").write_bytes(b"TVKC1")   # truncated
     assert kernel_cache.load("abc") is None
