@@ -242,11 +242,7 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
     alternative above GEMV_MAX_M) and at M = 16. bytes_moved: one weight + x + out."""
     rng = np.random.default_rng(1)
     out = []
-    for wname, n, k in WEIGHTS:
-        if weights and wname not in weights:
-            continue
-        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
-        copies = [cuda.to_device(w) for _ in range(max(1, -(-COLD_BYTES // w.nbytes)))]
+    for wname, n, k, w, copies in _cold_weights(rng, weights, COLD_BYTES):
         for m in sorted(set(ms) | {16}):
             x = rng.standard_normal((m, k), dtype=np.float32)
             dx, dout = cuda.to_device(x), cuda.device_array((m, n), np.float32)
@@ -259,6 +255,16 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
                 out.append(_cold_case(f"{label} {wname} cold {m}x{k} @ {n}x{k}^T", launcher, x, w, dx, copies,
                                       dout, kwargs))
     return out
+
+
+def _cold_weights(rng, weights, cold_bytes):
+    """(name, N, K, host bf16 weight, its device copies) for each of WEIGHTS (or those named): enough copies
+    that cycling through them overflows L2 (cold_bytes in all)."""
+    for wname, n, k in WEIGHTS:
+        if weights and wname not in weights:
+            continue
+        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
+        yield wname, n, k, w, [cuda.to_device(w) for _ in range(max(1, -(-cold_bytes // w.nbytes)))]
 
 
 def _cold_case(name, launcher, x, w, dx, copies, dout, kwargs) -> Case:
@@ -302,11 +308,7 @@ def skinny_cases(ms=SKINNY_MS, weights=None, bf16_inputs: bool = True, cold_byte
     the same weight). bytes_moved: the weight, x and out."""
     rng = np.random.default_rng(5)
     out = []
-    for wname, n, k in WEIGHTS:
-        if weights and wname not in weights:
-            continue
-        w = f32_to_bf16(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
-        copies = [cuda.to_device(w) for _ in range(max(1, -(-cold_bytes // w.nbytes)))]
+    for wname, n, k, w, copies in _cold_weights(rng, weights, cold_bytes):
         for m in ms:
             x = rng.standard_normal((m, k), dtype=np.float32)
             dx, dout = cuda.to_device(x), cuda.device_array((m, n), np.float32)
