@@ -5,13 +5,13 @@ streamed into shared memory by cp.async several stages ahead, fragments loaded b
 
 x (M, K) float32 is first cut into P bf16 planes (``bf16_planes``): with bf16_inputs one plane, x rounded to
 the nearest bf16 (ties to even); otherwise three, the bf16x3 split x = hi + mid + lo exactly (see
-cuda_kernels/mma.py, split_bf16x3, and matmul.py's docstring). So the math is matmul.gemm_tc's and the twin
+cuda_kernels/mma.py, split_bf16x3, and gemm_tc.py's docstring). So the math is gemm_tc.gemm_tc's and the twin
 is reference.matmul.matmul (and reference.matmul.bf16_planes for the planes). W (N, K) uint16 bf16 in
 nn.Linear layout; out (M, N) float32. Needs K % 8 == 0 (16-byte rows for cp.async).
 
-Why a second tensor-core GEMM: matmul.gemm_tc stages a slab through registers (global -> registers ->
+Why a second tensor-core GEMM: gemm_tc.gemm_tc stages a slab through registers (global -> registers ->
 convert -> shared), so a block has one slab in flight and its warps wait on each slab's DRAM/L2 latency
-(measured at 36-60% of the mma rate, BENCHMARKS.md). Here the conversion is done once per x element by
+(well under the mma rate: docs/performance.md). Here the conversion is done once per x element by
 bf16_planes, both operands are bf16 in memory, and a slab goes from global to shared memory by cp.async
 without registers, STAGES - 1 slabs ahead of the one the warps multiply.
 
@@ -102,7 +102,7 @@ class PipelinedTile(NamedTuple):
     min_blocks: int = 0
 
 
-# The policy's tiles (pipelined_tile; measured on the H200, BENCHMARKS.md): a wide tile per mode where the
+# The policy's tiles (pipelined_tile; measured on the H200, docs/performance.md): a wide tile per mode where the
 # grid still has about a block per SM (with bf16 inputs and at most one wave of blocks, its 64-deep slab),
 # else 64 rows (and, with bf16 inputs and a small grid, 64 x 64).
 WIDE_FP32 = PipelinedTile(128, 256, 32, 64, 64, 3)
@@ -144,15 +144,12 @@ def shared_bytes(tile: PipelinedTile, bf16_inputs: bool) -> int:
 def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
     """The tile matmul uses for x (m, k) @ W (n, k)^T (a pure function of the shape and mode).
 
-    NOTE: measured on the H200 (tools/kernel_benchmarks/matmul.py --pipelined): the wide tiles are fastest
-    wherever their grid has MIN_BLOCKS blocks (gate/up at M = 256: 172 us fp32 with 128 x 256 against 176
-    with 64 x 128 and 207 with 128 x 128; bf16 83 us with 128 x 128 against 104 with 64 x 128); below that
-    64-row tiles win (QKV at M = 256, fp32: 62 us against 107 with 128 x 128), and with bf16 inputs, when
-    even 64 x 128 has too few blocks, 64 x 64 (O at M = 256: 35 us against 38). A 128-row tile is taken only
-    when it pads M no more than a 64-row one does (at M = 64 it would do twice the work). With bf16 inputs
-    and a grid of one wave or less, every block runs alone on its SM for the whole K, and the 64-deep slab
-    (half the barriers and waits per K) is faster: at M = 1024, O 63 us against 68 and down 196 against
-    214; with more blocks it is slower (QKV 109 against 87, gate/up 389 against 309)."""
+    The wide tiles where their grid has MIN_BLOCKS blocks; below that 64-row tiles, and with bf16 inputs,
+    when even 64 x 128 has too few blocks, 64 x 64. A 128-row tile is taken only when it pads M no more than
+    a 64-row one does (at M = 64 it would do twice the work). With bf16 inputs and a grid of one wave or
+    less, every block runs alone on its SM for the whole K, and the 64-deep slab (half the barriers and waits
+    per K) is faster; with more blocks it is slower. Measured on the H200 (tools/kernel_benchmarks/matmul.py
+    --pipelined; docs/performance.md, "gemm_pipelined tiles")."""
     def blocks(tile):
         return _cdiv(m, tile.bm) * _cdiv(n, tile.bn)
 
@@ -169,10 +166,9 @@ def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
     """(tile, splits) for x (m <= SKINNY_MAX_M, k) @ W (n, k)^T: SKINNY_TILES' tile for m (or `tile`), and
     about one block per SM: splits = round(SM_COUNT / tiles), at least 1, each split at least
     MIN_SPLIT_SLABS slabs long. n: the weight's rows (gated: 2F).
-    NOTE: measured on an H100 with cold weights (BENCHMARKS.md, 2026-12-06): about one block per SM was
-    the best or within 5% of it for every 1B weight at M = 16, 64 and 128 (O at M = 16: 8 splits 13.5 us,
-    4 splits 14.8, 16 splits 17.2; gate/up at M = 64, 128 tiles: unsplit 38.2 us, 3 splits 52.1); more
-    splits cost more in partial sums than they gain in blocks."""
+    NOTE: about one block per SM was the best or within 5% of it for every 1B weight at M = 16, 64 and 128;
+    more splits cost more in partial sums than they gain in blocks (H100, cold weights: BENCHMARKS.md,
+    "What limits each figure")."""
     tile = tile or SKINNY_TILES[next(b for b in SKINNY_TILES if b >= min(m, SKINNY_MAX_M))]
     tiles = split_counters_size(tile, m, n, gated)
     slabs = _cdiv(k, tile.bk)

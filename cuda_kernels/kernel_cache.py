@@ -15,7 +15,7 @@ compiles as before. Entries are written atomically (a temporary file, then a ren
 the directory; a damaged entry is ignored and rewritten.
 
 Where: $TINYVLLM_KERNEL_CACHE if set ("0" turns the cache off), else `kernels/` in tinyvllm's cache
-directory ($TINYVLLM_CACHE_DIR or ~/.cache/tinyvllm).
+directory ($TINYVLLM_CACHE_DIR, else $XDG_CACHE_HOME/tinyvllm or ~/.cache/tinyvllm).
 """
 
 from __future__ import annotations
@@ -41,9 +41,13 @@ def directory() -> Path | None:
         return None
     if setting:
         return Path(setting)
-    from tinyvllm.pypi_assets import cache_dir
-
-    return cache_dir() / "kernels"
+    # NOTE: the same root as tinyvllm's downloads (tinyvllm.pypi_assets.cache_dir, whose rule this repeats:
+    # this package does not import the engine, and tests/kernels/test_kernel_cache.py holds the two together)
+    root = os.environ.get("TINYVLLM_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tinyvllm" / "kernels"
 
 
 @lru_cache(maxsize=None)

@@ -140,7 +140,7 @@ else:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.np import numpy_support
 
-    from tinyvllm.cuda_driver import ok, stream_handle
+    from cuda_kernels.driver import ok, stream_handle
 
     class view:   # noqa: N801  (named like the function it is in the simulator)
         """A C-contiguous device array passed to a kernel as a C-contiguous array of `shape` and `dtype` over
@@ -246,7 +246,7 @@ else:
             self.lock = threading.Lock()
 
         def allow_shared(self, nbytes: int) -> None:
-            """Opt in to nbytes of dynamic shared memory (refused above 48 KB until then, GPU.md)."""
+            """Opt in to nbytes of dynamic shared memory (refused above 48 KB until then: docs/performance.md)."""
             if nbytes <= self.shared:
                 return
             attribute = _drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

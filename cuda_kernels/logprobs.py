@@ -21,10 +21,10 @@ once, keeping an online (max, sum of exp) in float64, its count of l_j >= l_t, a
 (value, id) pairs in a sorted local list (an insertion when a value beats its N-th). The block then reduces
 (max, sum) and the count through shared memory, and takes N rounds of a block argmax over the threads' list
 heads: the round's winner pops its head. The N best of the row are among the threads' N best.
-Ties and NaN follow sampling._beats (numpy.argmax's order); a row holding NaN gives NaN values.
+Ties and NaN follow argmax._beats (numpy.argmax's order); a row holding NaN gives NaN values.
 
 Versions: v1 only. One block per row reads a row at a single SM's bandwidth: at batch 1 and V = 128256 that
-is one 0.5 MB pass where a split kernel (as sampling's argmax v3) would use every SM. Logprobs are asked
+is one 0.5 MB pass where a split kernel (as argmax v3) would use every SM. Logprobs are asked
 for rarely, and only their rows run.
 """
 
@@ -39,8 +39,8 @@ from numba import cuda, float32, float64, int32
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch
 from cuda_kernels.primitives import WARP
-# the argmax order and the block reductions of the sampling kernels (shared memory only, no shuffles)
-from cuda_kernels.sampling import NO_INDEX, _beats, _block_argmax, _block_max, _block_sum
+# the argmax order and the block reductions of argmax.py (shared memory only, no shuffles)
+from cuda_kernels.argmax import NO_INDEX, _beats, _block_argmax, _block_max, _block_sum
 
 THREADS = 32 if SIMULATOR else 256
 

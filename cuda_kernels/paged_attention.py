@@ -22,6 +22,11 @@ Shapes and dtypes:
                                                     of decode_workspace_size(...) floats
 d must be a multiple of 8 and at most 128 (K/V are loaded 4 bf16 = 64 bits at a time).
 
+Thread mapping of the walk kernel: grid = (S, Hq), one warp per (sequence, head); lane i owns dims i, i + 32,
+... of q, of the running acc and of out. For each key j < context_len in order, the warp reads the block
+table entry of j (block_tables[s, j // bs], offset j % bs), each lane multiplies its dims of q and k_j, a
+warp_sum gives the score in every lane, and each lane updates (m, l) and its dims of acc.
+
 Thread mapping of v1 and split (both walk keys the same way): a block of WARPS warps (4, or 2 for d > 64 so
 the tiles fit in 48 KB; 2 in the simulator) per (sequence, head[, partition]). The keys are cut into tiles of
 32; warp w takes tiles w, w + WARPS, ..., each warp with its own online-softmax state and its own shared
@@ -33,9 +38,15 @@ one warp max gives the new running max; then lane (g, w) = (lane // (d/4), lane 
 shared memory.
 
 Versions:
-- `paged_attention_v1`: grid = (S, Hq), one block per (sequence, head) walks the whole context. Enough
-  blocks when the batch is large; at batch 1 it fills only Hq SMs. The G query heads of a KV head each
-  stage the same K/V tiles (from L2), and every K/V word goes through shared memory.
+- `paged_attention_walk` (the first): the math of reference.paged_attention.paged_attention_walk, one key at a
+  time. Simple and correct, and slow: each key costs a block-table load, a dependent K load, a warp_sum (5
+  shuffles) and an exp before the next key's loads are issued, so a warp has about one 64-byte load in
+  flight; each lane reads 2-byte values.
+- `paged_attention_v1`: grid = (S, Hq), one block per (sequence, head) walks the whole context, 32 keys at a
+  time: a warp copies a tile of 32 keys' K and V rows (64-bit words, 8 loads in flight per lane) into shared
+  memory, lane j scores key j, and one warp max per tile replaces 32 warp sums. Enough blocks when the batch
+  is large; at batch 1 it fills only Hq SMs. The G query heads of a KV head each stage the same K/V tiles
+  (from L2), and every K/V word goes through shared memory.
 - `paged_attention_split` + `paged_attention_reduce` (split-K): grid = (S, Hq, P); block p walks keys
   p * partition_size .. (p + 1) * partition_size - 1 and writes its partial (max, sum, unnormalised acc), a
   neutral (-inf, 0, 0) past the context; then grid = (S, Hq), one warp per (sequence, head) merges the
@@ -86,7 +97,7 @@ from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _exp
                                     store_words, unpack_bf16x4, warp_barrier)
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
-from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum
+from cuda_kernels.primitives import FULL_MASK, WARP, bf16_to_f32, warp_max, warp_sum
 
 MAX_WARPS = 2 if SIMULATOR else 4   # the simulator runs one Python thread per CUDA thread
 LOG2E = float32(1 / math.log(2))
@@ -95,31 +106,23 @@ LN2 = float32(math.log(2))
 # SM; 4 needs ~20% fewer instructions per key but 233 registers, 8 warps per SM. decode_lanes_policy picks
 # 4 for some shapes, LANES_PER_KEY otherwise.
 LANES_PER_KEY = 8
-# NOTE: measured on the H200 (Llama-3.2-1B heads, d 64, block 16; BENCHMARKS.md, 2026-12-04 fourth run):
-# 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
-# LONG_WALK_ROUNDS KV blocks: batch 64 x 4,096 keys 158 us against 218 with 8 lanes, 32 x 4,096 95 against
-# 114, 64 x 1,024 52 against 57. 512 blocks are two full waves of 2 blocks per SM at 4 lanes, 1.3 waves of
-# 3 at 8. Everywhere else 8 lanes tied or won: 128 x 2,048 175 / 175 us (1,024 blocks), 256 x 1,024 188
-# against 207, 256 x 128 43 against 69, batch 1 x 4,096 13.5 against 25.5. At head_dim 128, 4 lanes spill.
+# NOTE: 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
+# LONG_WALK_ROUNDS KV blocks (512 blocks are two full waves of 2 blocks per SM at 4 lanes, 1.3 waves of 3 at
+# 8); everywhere else 8 lanes tied or won. At head_dim 128, 4 lanes spill. Measured on the H200:
+# docs/performance.md, "decode attention".
 LONG_WALK_ROUNDS = 16
 # 64-bit words of K (and of V) a lane loads per chunk of keys. The walk keeps two chunks in registers (one
-# consumed, the next in flight). NOTE: measured on the H200 at batch 64 x 4,096 keys, 4 lanes per key: 158 us
-# with 8 words, 205 with 4 or 2, 228 for the walk before it was pipelined (one chunk of 8 words); at 8 lanes
-# 218 us with 8 words, 235 with 4, 188 with 2, 301 before. 8 was the best or near it at the other shapes.
+# consumed, the next in flight). NOTE: 8 was the best or near it at every shape measured on the H200
+# (docs/performance.md, "decode attention").
 CHUNK_WORDS = 8
 MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel serves (registers: q and acc)
 # The fast kernel's policy (from shapes only, so a captured CUDA graph stays valid). Warps: SMALL_GRID_WARPS per
 # block when the grid has no more blocks than the GPU has SMs, MAX_WARPS otherwise. Partitions: none while
 # each warp walks at most SPLIT_ROUNDS KV blocks; past that, partitions of PARTITION_ROUNDS blocks per warp,
 # as many as keep the grid at about TARGET_BLOCKS blocks.
-# NOTE: measured on the H200 (Llama-3.2-1B heads, block 16, tables 32 blocks wide as in a decode graph):
-# at batch 1 with 256 keys, one pass of 8 warps took 8.0 us and one of 4 warps 8.8, while 2 partitions
-# (the old policy, then the reduce kernel) took 12.9. With 128 keys (one or two KV blocks per warp), a pass
-# took 6.0-6.2 us. The reduce kernel and the partials cost about two rounds of a warp's walk (about 4 us),
-# so a split pays only for long contexts: at batch 1 with 2,048 keys, 8 or 16 partitions of 2 rounds took
-# 13.4-13.7 us. At batch 64 x 4,096 keys (512 blocks of 4 warps) no split ran 182 us and 4 partitions 200.
-# At batch 1 x 8,192 keys (4 warps, an earlier sweep) 32 partitions of 256 keys were best: 20.5 us against 26
-# for 8 and 31 for 64. The policy gives 32 partitions of 256 keys there too (8 warps, 2 rounds).
+# NOTE: the reduce kernel and the partials cost about two rounds of a warp's walk, so a split pays only for
+# long contexts at small batches; a short context takes one pass of more warps (docs/performance.md, "decode
+# attention").
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
 # The most warps a caller may ask for. NOTE: the register file bounds a block too (65,536 registers per SM).
 # ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-255 registers per thread, the most where the shared
@@ -135,6 +138,55 @@ TARGET_BLOCKS = 512
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers and kernels
+
+
+@lru_cache(maxsize=None)
+def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int):
+    """The walk kernel (paged_attention_walk) for one head_dim, block size and KV head count."""
+    D, BS, HKV = head_dim, block_size, num_kv_heads
+    DPL = -(-D // WARP)          # dims per lane: lane i owns dims i, i + 32, ... of q, acc and out
+
+    @cuda.jit
+    def walk_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
+        # q, out (S, Hq, D) f32; k_cache, v_cache (blocks, BS, HKV, D) u16 bf16; block_tables (S, max_blocks)
+        # i32; context_lens (S,) i32. grid (S, Hq), one warp per block.
+        seq, head = cuda.blockIdx.x, cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        kvh = head // (q.shape[1] // HKV)
+        qr = cuda.local.array(DPL, float32)
+        acc = cuda.local.array(DPL, float32)
+        for i in range(DPL):
+            d = lane + i * WARP
+            qr[i] = q[seq, head, d] if d < D else float32(0)
+            acc[i] = float32(0)
+        m = NEG_INF
+        l = float32(0)
+        for j in range(context_lens[seq]):
+            # token j of the context: block table entry j // BS, offset j % BS (the paged-cache lookup)
+            block = block_tables[seq, j // BS]
+            offset = j % BS
+            dot = float32(0)
+            for i in range(DPL):
+                d = lane + i * WARP
+                if d < D:
+                    dot += qr[i] * bf16_to_f32(k_cache[block, offset, kvh, d])
+            score = scale * warp_sum(dot)
+            # online softmax: rescale what was accumulated against the old max when the max grows
+            m_new = max(m, score)
+            c = math.exp(m - m_new)         # 0 at the first key (m = -inf)
+            p = math.exp(score - m_new)
+            l = l * c + p
+            for i in range(DPL):
+                d = lane + i * WARP
+                if d < D:
+                    acc[i] = acc[i] * c + p * bf16_to_f32(v_cache[block, offset, kvh, d])
+            m = m_new
+        for i in range(DPL):
+            d = lane + i * WARP
+            if d < D:
+                out[seq, head, d] = acc[i] / l if l > float32(0) else float32(0)
+
+    return walk_kernel
 
 
 def _row_words(k_rows, v_rows, rows, base, u, words):
@@ -665,6 +717,18 @@ def decode_warps(head_dim: int) -> int:
     """Warps per decode block: up to MAX_WARPS, as many as their K/V tile buffers fit in 48 KB."""
     per_warp = 8 * TILE * (2 * (head_dim // 4) + 1) + 4 * TILE + 4 * TILE + 4 * WARP * 4
     return max(1, min(MAX_WARPS, (SHARED_BUDGET - 4 * head_dim) // per_warp))
+
+
+def paged_attention_walk(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0):
+    """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context, one warp per
+    (sequence, head) walking the block table one key at a time (the first version). Twin:
+    reference.paged_attention.paged_attention_walk."""
+    d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    if q.shape[0] == 0:
+        return
+    kernel = _walk_kernel(d, block_size, k_cache.shape[2])
+    launch(kernel, (q.shape[0], q.shape[1]), WARP, stream, q, k_cache, v_cache, block_tables, context_lens,
+           np.float32(scale), out)
 
 
 def paged_attention_v1(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0):

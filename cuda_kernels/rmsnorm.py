@@ -12,9 +12,9 @@ every thread the row's sum, and it writes its scaled columns from the registers.
 before grid_wait (cuda_kernels/pdl.py), so under PDL that load overlaps the previous kernel.
 
 NOTE: at decode one row is the whole grid, so the kernel is a chain of memory latencies. The first version
-strode over the row twice (sum, then scale) and loaded the weight after the reduction. That made three
-dependent memory round trips plus the reduction, about 3.6 us per call on the H200. Now there is one round
-trip before the reduction and the stores after it.
+strode over the row twice (sum, then scale) and loaded the weight after the reduction: three dependent
+memory round trips plus the reduction. Now there is one round trip before the reduction and the stores after
+it (the times: docs/performance.md, "RMSNorm").
 
 With `planes` (a 1-D uint16 workspace; the engine passes it where the next matmul runs on gemm_pipelined),
 each result is also written as its P bf16 planes, piece p of out[t, i] at planes[p * T * H + t * H + i]: the
@@ -37,8 +37,7 @@ from cuda_kernels.primitives import bf16_to_f32, block_sum, f32_to_bf16
 
 # The simulator runs one Python thread per CUDA thread: keep its blocks small.
 # NOTE: 1024 threads on the GPU: at decode one row is the whole grid, so the more threads share it, the fewer
-# loads each issues (2 for H = 2048). The first version at 256 threads took about 7 us per call inside the
-# batch-1 decode step (tools/profile_step.py, BENCHMARKS.md).
+# loads each issues (2 for H = 2048; docs/performance.md, "RMSNorm").
 THREADS = 64 if SIMULATOR else 1024
 
 # ---------------------------------------------------------------------------------------------------------

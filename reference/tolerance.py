@@ -1,6 +1,6 @@
 """How far a kernel's result may lie from these references: bounds on the fp32 summation-order error.
 
-The kernels apply exactly the reference's roundings (DESIGN.md, numerics), so a kernel and its reference
+The kernels apply exactly the reference's roundings (README.md, "Numerics"), so a kernel and its reference
 differ only in the order of their fp32 sums. The kernel tests (tests/kernels) and the benchmarks' checks
 (tools/kernel_benchmarks, tools/bench.py's kernels workload) compare against the same bounds, defined here:
 

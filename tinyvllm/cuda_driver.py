@@ -1,38 +1,14 @@
-"""The few CUDA driver calls tinyvllm makes itself, through cuda.bindings, beside Numba's own.
+"""The engine's host <-> device copies as single driver calls (cuda_kernels/driver.py holds the driver calls
+themselves).
 
-Numba's wrappers are general and cost tens of microseconds of Python per call (a device-array slice is a
-new object, every copy re-checks its arguments); in the engine's per-step path those microseconds are GPU
-idle time. Stream capture (tinyvllm/cuda_graph.py) is not wrapped by Numba at all.
+Numba's copies cost tens of microseconds of Python per call (a device-array slice is a new object, every
+copy re-checks its arguments); in the engine's per-step path those microseconds are GPU idle time.
 """
 
 from __future__ import annotations
 
 from cuda_kernels.compat import SIMULATOR
-
-
-def driver():
-    from cuda.bindings import driver as drv
-
-    return drv
-
-
-def ok(result):
-    """cuda.bindings calls return (error, *values): raise on an error, return the values."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return values[0] if len(values) == 1 else values
-
-
-def stream_handle(stream):
-    """The driver's CUstream for a Numba stream."""
-    handle = stream.handle
-    return driver().CUstream(int(handle.value if hasattr(handle, "value") else handle))
-
-
-def device_pointer(array) -> int:
-    """The device address of a Numba device array's first element."""
-    return int(array.__cuda_array_interface__["data"][0])
+from cuda_kernels.driver import device_pointer, driver, ok, stream_handle
 
 
 class PinnedCopy:

@@ -19,7 +19,7 @@ from typing import Callable
 
 from numba import cuda
 
-from tinyvllm.cuda_driver import driver, ok, stream_handle
+from cuda_kernels.driver import driver, ok, stream_handle
 
 
 _captures = 0

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
+from cuda_kernels import argmax, attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
 from cuda_kernels import kv_cache, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
@@ -136,8 +136,8 @@ class CUDARunner:
         self._prefix_cache: dict[tuple[int, int], dict] = {}
         # two host copies of them, so a step's tokens can be read while the next step's are on their way
         self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
-        # the split argmax's per-chunk winners (sampling.argmax_workspace_size)
-        self.argmax_workspace = empty(sampling.argmax_workspace_size(s, c.vocab_size), np.int32)
+        # the split argmax's per-chunk winners (argmax.argmax_workspace_size)
+        self.argmax_workspace = empty(argmax.argmax_workspace_size(s, c.vocab_size), np.int32)
         # the split sample's histograms, row state and partials (sampling.sample_workspace_size)
         self.sample_workspace = empty(sampling.sample_workspace_size(s, c.vocab_size), np.uint64)
         self._features: dict | None = None   # the penalties', logprobs' and block copies' buffers (_feature)
@@ -298,7 +298,7 @@ class CUDARunner:
                                       v["repetition_penalty"], v["presence_penalty"], v["frequency_penalty"], *undo,
                                       stream)
         if mode.greedy:
-            sampling.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
+            argmax.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
         else:
             sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
                             stream, workspace=self.sample_workspace)

@@ -20,7 +20,7 @@ the real, overlapped step (the skipped kernels' outputs are stale, so only the t
 it against the default choice: the way to tune gemv_config under PDL, where a kernel's prologue overlaps its
 producer. One --gemv option is one variant and may name several shapes
 (`--gemv 3072,2048=8,4,4,4 2048,2048=8,4,4,4`); repeat the option for more variants. `N,K=staged,ROWS,WARPS`
-names a matmul.GemvStaged configuration (whole rows staged in shared memory).
+names a gemv.GemvStaged configuration (whole rows staged in shared memory).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from numba import cuda  # noqa: E402
 from numba.cuda import dispatcher  # noqa: E402
 
 from cuda_kernels import launch as kernel_launch  # noqa: E402
-
-from tinyvllm.cuda_driver import driver, ok, stream_handle  # noqa: E402
+from cuda_kernels.driver import driver, ok, stream_handle  # noqa: E402
 
 REPLAYS = 50
 
@@ -286,7 +285,7 @@ def table(result: dict) -> str:
 def gemv_override(text: str) -> tuple:
     """'N,K=W,R,U,S[,P]' -> ((N, K), GemvConfig(W, R, U, S, P)), P 1 for a pipelined configuration;
     'N,K=staged,ROWS,W' -> ((N, K), GemvStaged(ROWS, W))."""
-    from cuda_kernels.matmul import GemvConfig, GemvStaged
+    from cuda_kernels.gemv import GemvConfig, GemvStaged
 
     shape, config = text.split("=")
     n, k = (int(v) for v in shape.split(","))

@@ -15,7 +15,7 @@ from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, p
 
 from numba import cuda
 
-from cuda_kernels import attention, matmul, paged_attention
+from cuda_kernels import attention, gemv, matmul, paged_attention
 from reference import paged_attention as ref
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import BF16_NAN, allocate_kv_cache, kv_cache_write
@@ -140,7 +140,25 @@ def devices(*arrays):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# decode: PagedAttention v1 (the teaching version)
+# decode: the first PagedAttention (paged_attention_walk: one warp per (sequence, head), one key at a time)
+
+
+@settings(max_examples=examples(6, 30))
+@given(seeds, decode_contexts(shortest=0), heads, head_dims, block_sizes, kinds)
+# always: padding, a one-token and a multi-block context in one batch, two KV heads of two query heads, and a
+# head_dim over 32 (lanes own two dims, the second one masked for lanes past d)
+@example(seed=3, contexts=[0, 1, 45], hg=(2, 2), d=40, block_size=3, kind="normal")
+def test_paged_attention_walk_matches_reference(seed, contexts, hg, d, block_size, kind):
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
+    scale = 1 / np.sqrt(d)
+    out = to_device(np.full(q.shape, np.nan, np.float32))
+    paged_attention.paged_attention_walk(*devices(q, k_cache, v_cache, tables, lens), scale, out)
+    want = decode_reference(q, k_cache, v_cache, tables, lens, scale)
+    assert_close(out, want, atol=decode_atol(q, ks, vs, scale, hg[1]), rtol=4 * F32_EPS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# decode: PagedAttention v1 (tiles of 32 keys through shared memory)
 
 
 @settings(max_examples=examples(10, 60))
@@ -219,7 +237,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
 @example(seed=3, contexts=[1, 17, 40], split=True)
 def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, split):
     """A decode layer's QKV and attention as the engine runs them (one CUDA graph on the GPU, so that under
-    PDL the attention kernel's first loads overlap the gemv): matmul.gemv_rope writes each sequence's newest
+    PDL the attention kernel's first loads overlap the gemv): gemv.gemv_rope writes each sequence's newest
     key, at position ctx - 1, into a slot that holds NaN until then, and paged_attention must use the new
     key. Its loads before the wait skip that key (it is in their first round for these short contexts) and
     fetch it after; a kernel that read it early would return NaN. split: the split kernel, a partition per
@@ -243,7 +261,7 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
     scale = 1 / np.sqrt(d)
 
     def layer(stream):
-        matmul.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream)
+        gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul.gemv_config(len(lens), *w.shape))
         paged_attention.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
                                         workspace=workspace, partition_blocks=1 if split else None)
 
@@ -404,6 +422,7 @@ def test_decode_padding_slots_give_zeros():
     work = [device_empty(shape, np.float32) for shape in shapes]
     fast_work = device_empty(3 * 2 * 2 * (8 + 2), np.float32)
     launchers = [
+        lambda *args: paged_attention.paged_attention_walk(*args),
         lambda *args: paged_attention.paged_attention_v1(*args),
         lambda *args: paged_attention.paged_attention_split(*args, *work, 4),
         lambda *args: paged_attention.paged_attention(*args),
@@ -567,7 +586,8 @@ def _decode_args(**changes):
     (dict(out=np.zeros((2, 4, 8), np.float32)), "out: expected"),
 ])
 def test_decode_launcher_errors(changes, message):
-    for launcher in (paged_attention.paged_attention, paged_attention.paged_attention_v1):
+    for launcher in (paged_attention.paged_attention, paged_attention.paged_attention_v1,
+                     paged_attention.paged_attention_walk):
         with pytest.raises(ValueError, match=message):
             launcher(**_decode_args(**changes))
 

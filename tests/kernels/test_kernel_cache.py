@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cuda_kernels import kernel_cache
+from tinyvllm import pypi_assets
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "gpu"
@@ -21,7 +22,7 @@ GPU = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "gpu"
 KEY_TEXTS = r"""
 import json, os
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-from cuda_kernels import kernel_cache, gemm_pipelined as gp, matmul as mm, rmsnorm, paged_attention as pa
+from cuda_kernels import kernel_cache, gemm_pipelined as gp, gemv, rmsnorm, paged_attention as pa
 kernels = {
     "pipelined 16 split": gp._gemm_kernel(16, 128, 64, 16, 32, 4, 0, 1, False, False, True),
     "pipelined 16 split 3 stages": gp._gemm_kernel(16, 128, 64, 16, 32, 3, 0, 1, False, False, True),
@@ -31,8 +32,8 @@ kernels = {
     "rmsnorm planes": rmsnorm._rmsnorm_kernel(True, 2048, 1024, 1),
     "rmsnorm 576": rmsnorm._rmsnorm_kernel(True, 576, 1024),
     "planes": gp._planes_kernel(True),
-    "gemv": mm._gemv_kernel(1, 4, 4, 4, 2, True, False),
-    "gemv rope": mm._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64),
+    "gemv": gemv._gemv_kernel(1, 4, 4, 4, 2, True, False),
+    "gemv rope": gemv._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64),
 }
 print(json.dumps({name: kernel_cache._stable(k) for name, k in kernels.items()}))
 """
@@ -81,10 +82,20 @@ def test_entries_round_trip_and_damage_is_ignored(tmp_path, monkeypatch):
     assert kernel_cache.load("abc") is None
 
 
-def test_the_default_directory_is_in_tinyvllms_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache_dir, xdg", [(True, True), (False, True), (False, False)])
+def test_the_default_directory_is_in_tinyvllms_cache(tmp_path, monkeypatch, cache_dir, xdg):
+    """kernels/ under the directory tinyvllm keeps its downloads in, whichever variable sets it (the kernel
+    cache repeats pypi_assets.cache_dir's rule: cuda_kernels does not import the engine)."""
     monkeypatch.delenv("TINYVLLM_KERNEL_CACHE", raising=False)
-    monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path))
-    assert kernel_cache.directory() == tmp_path / "kernels"
+    monkeypatch.delenv("TINYVLLM_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if cache_dir:
+        monkeypatch.setenv("TINYVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    if xdg:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache.directory() == pypi_assets.cache_dir() / "kernels"
+    assert kernel_cache.directory().is_relative_to(tmp_path)
 
 
 GENERATE = r"""

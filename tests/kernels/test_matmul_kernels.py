@@ -1,5 +1,6 @@
-"""cuda_kernels/matmul.py (naive, gemv, gemm, gemm_tc and the matmul dispatcher) and cuda_kernels/gemm_pipelined.py
-against reference/matmul.py, and the primitives of cuda_kernels/mma.py and cuda_kernels/async_copy.py on their own.
+"""The matmul family against reference/matmul.py: cuda_kernels/gemm_simt.py (naive, gemm), gemv.py (gemv_warp,
+gemv and its epilogues, the staged gemv), gemm_tc.py, gemm_pipelined.py and the dispatch and policies of
+matmul.py; and the primitives of cuda_kernels/mma.py and cuda_kernels/async_copy.py on their own.
 
 Every version is checked the same way: random x and bf16 W of hypothesis-chosen shapes and magnitudes, the
 output compared elementwise with a tolerance derived from the numerics (fp32 sums in another order than
@@ -18,9 +19,13 @@ from numba import cuda
 
 from cuda_kernels import async_copy
 from cuda_kernels import gemm_pipelined as gp
+from cuda_kernels import gemm_simt as simt
+from cuda_kernels import gemm_tc as tc
+from cuda_kernels import gemv as gv
 from cuda_kernels import matmul as mm
 from cuda_kernels import mma
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, STATIC_SHARED_LIMIT
+from cuda_kernels.primitives import WARP
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
 from reference.matmul import bf16_planes as reference_bf16_planes
@@ -108,18 +113,30 @@ def test_matmul_naive(seed, m, nk, x_scale, w_scale, bf16_inputs):
     if not SIM:
         n, k = min(n, 4096), min(k, 2048)  # a teaching kernel: keep it to a few ms
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.matmul_naive, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    check(run(simt.matmul_naive, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
-GEMV_CONFIGS = [None, mm.GemvConfig(), mm.GemvConfig(warps_per_block=3, rows_per_warp=1)]  # None: the policy
+@settings(max_examples=examples(6, 10))
+@given(seeds, sizes(4, [1, 2, 8]), weight_shapes(13, 80), x_scales, w_scales, st.booleans())
+@example(seed=0, m=2, nk=(6, 70), x_scale=1.0, w_scale=1.0, bf16_inputs=False)  # always: a warp past the last row
+def test_gemv_warp(seed, m, nk, x_scale, w_scale, bf16_inputs):
+    """The plain warp-per-row GEMV: N not a multiple of a block's 4 rows (warps past the last row compute a
+    clamped row and store nothing), K not a multiple of 32 (lanes with one term fewer), several rows of x."""
+    n, k = nk
+    x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
+    check(run(gv.gemv_warp, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+
+
+POLICY = "policy"   # in a list of configurations: matmul.gemv_config's pick for the shape
+GEMV_CONFIGS = [POLICY, gv.GemvConfig(), gv.GemvConfig(warps_per_block=3, rows_per_warp=1)]
 # Loads in flight and K split: (warps, rows per warp, unroll, k_split); a pass of the block covers
 # 32 * unroll * k_split words (4 bf16 each) of a row.
 # The simulator takes configurations whose passes are short (256-512 columns: the same code paths), pipelined
 # or not; the GPU every policy configuration too.
-GEMV_PASS_CONFIGS = [mm.GemvConfig(2, 1, 2, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(4, 1, 2, 2),
-                     mm.GemvConfig(2, 1, 2, 1, True), mm.GemvConfig(2, 2, 1, 2, True)]
+GEMV_PASS_CONFIGS = [gv.GemvConfig(2, 1, 2, 1), gv.GemvConfig(2, 2, 1, 2), gv.GemvConfig(4, 1, 2, 2),
+                     gv.GemvConfig(2, 1, 2, 1, True), gv.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    GEMV_PASS_CONFIGS += [mm.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K,
+    GEMV_PASS_CONFIGS += [gv.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K,
                           mm.GEMV_LONG_K_M, mm.GEMV_WIDE_M, mm.GEMV_SPLIT_M]
 
 
@@ -136,7 +153,8 @@ def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
     out = stale_out(m, n)
     w_dev = to_device(w)
-    mm.gemv(to_device(x), w_dev.view(np.uint64) if path == "u64-view-given" else w_dev, out, config=config,
+    config = mm.gemv_config(m, n, k) if config == POLICY else config
+    gv.gemv(to_device(x), w_dev.view(np.uint64) if path == "u64-view-given" else w_dev, out, config=config,
             bf16_inputs=bf16_inputs)
     check(out, x, w, bf16_inputs)
 
@@ -161,11 +179,11 @@ def test_gemv_passes(config, seed, passes, words, tail, m, n, bf16_inputs):
     """Unrolled loads and the K split: K = whole passes of the block + leftover words (fewer than a pass,
     spread over the K-split warps one word at a time) + a scalar tail of K % 4 columns (the uint16 path,
     as the launcher sees no uint64 view then), with N not a multiple of the block's rows."""
-    step = 4 * mm.WARP * config.unroll * config.k_split   # columns of one pass
+    step = 4 * WARP * config.unroll * config.k_split   # columns of one pass
     k = max(1, passes * step + 4 * min(words, step // 4 - 1) + tail)
     x, w = make_inputs(seed, m, n, k)
     out = stale_out(m, n)
-    mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs)
+    gv.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs)
     check(out, x, w, bf16_inputs)
 
 
@@ -183,8 +201,8 @@ def check_gated(out, x, w, bf16_inputs=False):
 
 
 # gated gemv configurations: the policy's (for the weight's 2F rows) and hand-picked ones, K split or not
-GATED_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1),
-                 mm.GemvConfig(2, 2, 1, 2, True)]
+GATED_CONFIGS = [POLICY, gv.GemvConfig(2, 2, 1, 1), gv.GemvConfig(2, 2, 1, 2), gv.GemvConfig(1, 4, 2, 1),
+                 gv.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
     GATED_CONFIGS += [mm.GEMV_WIDE, mm.GEMV_WIDE_M, mm.GEMV_SPLIT, mm.GEMV_SPLIT_M]
 # (F, K): the gate/up of the 1B model (F = 8192) on the GPU, or odd sizes; tiny ones in the simulator
@@ -201,7 +219,8 @@ def test_gemv_gated(config, seed, m, fk, x_scale, bf16_inputs):
     f, k = fk
     x, w = make_inputs(seed, m, 2 * f, k, x_scale)
     out = stale_out(m, f)
-    mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
+    config = mm.gemv_config(m, 2 * f, k) if config == POLICY else config
+    gv.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
     check_gated(out, x, w, bf16_inputs)
 
 
@@ -221,9 +240,9 @@ def test_gated_matmul_dispatch(seed, m, bf16_inputs, with_workspace):
 def test_gemv_gated_checks():
     x, w = device_empty((1, 8), np.float32), device_empty((6, 8), np.uint16)
     with pytest.raises(ValueError, match=r"out \(M, N/2\) = \(1, 3\)"):
-        mm.gemv(x, w, device_empty((1, 6), np.float32), gated=True)
+        gv.gemv(x, w, device_empty((1, 6), np.float32), gated=True)
     with pytest.raises(ValueError, match="even rows_per_warp"):
-        mm.gemv(x, w, device_empty((1, 3), np.float32), config=mm.GemvConfig(2, 1, 1, 1), gated=True)
+        gv.gemv(x, w, device_empty((1, 3), np.float32), config=gv.GemvConfig(2, 1, 1, 1), gated=True)
 
 
 def rope_case(seed, m, heads, k, block_size):
@@ -271,10 +290,10 @@ def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num
 
 rope_heads = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (2, 2, 8)], [(32, 8, 64), (9, 3, 64), (24, 8, 128), (4, 4, 64)]))
 # the policy's QKV configurations and hand-picked ones, K split or not (rows_per_warp even: pairs)
-ROPE_CONFIGS = [None, mm.GemvConfig(2, 2, 1, 1), mm.GemvConfig(2, 2, 1, 2), mm.GemvConfig(1, 4, 2, 1),
-                 mm.GemvConfig(2, 2, 1, 2, True)]
+ROPE_CONFIGS = [POLICY, gv.GemvConfig(2, 2, 1, 1), gv.GemvConfig(2, 2, 1, 2), gv.GemvConfig(1, 4, 2, 1),
+                 gv.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_SPLIT_M, mm.GemvConfig(8, 4, 2, 4)]
+    ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_SPLIT_M, gv.GemvConfig(8, 4, 2, 4)]
 
 
 @pytest.mark.parametrize("config", ROPE_CONFIGS)
@@ -287,7 +306,8 @@ def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs):
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, block_size)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
-    mm.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
+    config = mm.gemv_config(m, w.shape[0], k) if config == POLICY else config
+    gv.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
                  to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs)
     check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
 
@@ -310,12 +330,12 @@ def test_gemv_rope_checks():
     ids, cos = device_empty(2, np.int32), device_empty((10, 4), np.float32)
     q_out = device_empty((2, 2, 8), np.float32)
     with pytest.raises(ValueError, match=r"q_out and the caches need \(2, 32\) for Hq=2, Hkv=1, d=8"):
-        mm.gemv_rope(x, device_empty((24, 8), np.uint16), ids, cos, cos, cache, cache, ids, q_out)
+        gv.gemv_rope(x, device_empty((24, 8), np.uint16), ids, cos, cos, cache, cache, ids, q_out)
     with pytest.raises(ValueError, match="even rows_per_warp"):
-        mm.gemv_rope(x, device_empty((32, 8), np.uint16), ids, cos, cos, cache, cache, ids, q_out,
-                     config=mm.GemvConfig(2, 1, 1, 1))
+        gv.gemv_rope(x, device_empty((32, 8), np.uint16), ids, cos, cos, cache, cache, ids, q_out,
+                     config=gv.GemvConfig(2, 1, 1, 1))
     with pytest.raises(ValueError, match=r"slot_mapping: expected \(2,\) integer"):
-        mm.gemv_rope(x, device_empty((32, 8), np.uint16), ids, cos, cos, cache, cache, device_empty(3, np.int32),
+        gv.gemv_rope(x, device_empty((32, 8), np.uint16), ids, cos, cos, cache, cache, device_empty(3, np.int32),
                      q_out)
 
 
@@ -323,16 +343,16 @@ def test_gemv_rope_checks():
 # and RoPE epilogues. Odd rows per block and K / 4 not a multiple of the threads (the guarded last word) in the
 # simulator, with K large enough in some examples that every warp holds words (else a lost warp sum would pass);
 # the configurations worth timing on the 1B shapes on the GPU.
-STAGED_CONFIGS = [mm.GemvStaged(2, 1), mm.GemvStaged(3, 2), mm.GemvStaged(4, 2)]
+STAGED_CONFIGS = [gv.GemvStaged(2, 1), gv.GemvStaged(3, 2), gv.GemvStaged(4, 2)]
 if not SIM:
-    STAGED_CONFIGS += [mm.GemvStaged(8, 4), mm.GemvStaged(4, 4), mm.GemvStaged(8, 2), mm.GemvStaged(16, 4),
-                       mm.GemvStaged(2, 8), mm.GemvStaged(8, 16), mm.GemvStaged(8, 8), mm.GemvStaged(16, 8)]
+    STAGED_CONFIGS += [gv.GemvStaged(8, 4), gv.GemvStaged(4, 4), gv.GemvStaged(8, 2), gv.GemvStaged(16, 4),
+                       gv.GemvStaged(2, 8), gv.GemvStaged(8, 16), gv.GemvStaged(8, 8), gv.GemvStaged(16, 8)]
 STAGED_PAIRED_CONFIGS = [c for c in STAGED_CONFIGS if c.rows_per_block % 2 == 0]
 
 
 def staged_k(config, k, m):
     """k cut down to the largest multiple of 8 whose tile fits a block's shared memory at m rows of x."""
-    while mm.gemv_staged_shared_bytes(config, m, k) > OPT_IN_SHARED_LIMIT:
+    while gv.gemv_staged_shared_bytes(config, m, k) > OPT_IN_SHARED_LIMIT:
         k -= 8
     return k
 
@@ -354,7 +374,7 @@ def test_gemv_staged(config, seed, m, nk, x_scale, w_scale, bf16_inputs, u64_vie
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
     out, w_dev = stale_out(m, n), to_device(w)
-    mm.gemv(to_device(x), w_dev.view(np.uint64) if u64_view else w_dev, out, config=config, bf16_inputs=bf16_inputs)
+    gv.gemv(to_device(x), w_dev.view(np.uint64) if u64_view else w_dev, out, config=config, bf16_inputs=bf16_inputs)
     check(out, x, w, bf16_inputs)
 
 
@@ -368,7 +388,7 @@ def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
     f, k = fk
     x, w = make_inputs(seed, m, 2 * f, staged_k(config, k, m))
     out = stale_out(m, f)
-    mm.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
+    gv.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
     check_gated(out, x, w, bf16_inputs)
 
 
@@ -383,7 +403,7 @@ def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, staged_k(config, k, m), block_size)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
-    mm.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
+    gv.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
                  to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs)
     check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
 
@@ -391,36 +411,37 @@ def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
 def test_gemv_staged_checks():
     x, out = device_empty((1, 12), np.float32), device_empty((1, 4), np.float32)
     with pytest.raises(ValueError, match=r"K % 8 == 0 .* got K = 12"):
-        mm.gemv(x, device_empty((4, 12), np.uint16), out, config=mm.GemvStaged(2, 1))
+        gv.gemv(x, device_empty((4, 12), np.uint16), out, config=gv.GemvStaged(2, 1))
     x = device_empty((1, 8192), np.float32)
     with pytest.raises(ValueError, match="15 rows of K = 8192 need 245820 bytes of shared memory"):
-        mm.gemv(x, device_empty((4, 8192), np.uint16), out, config=mm.GemvStaged(15, 1))
+        gv.gemv(x, device_empty((4, 8192), np.uint16), out, config=gv.GemvStaged(15, 1))
     with pytest.raises(ValueError, match="C-contiguous x and weight"):
-        mm.gemv(device_empty((2, 16), np.float32)[:, :8], device_empty((4, 8), np.uint16),
-                device_empty((2, 4), np.float32), config=mm.GemvStaged(2, 1))
+        gv.gemv(device_empty((2, 16), np.float32)[:, :8], device_empty((4, 8), np.uint16),
+                device_empty((2, 4), np.float32), config=gv.GemvStaged(2, 1))
     with pytest.raises(ValueError, match="even for a gated gemv"):
-        mm.gemv(device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 2), np.float32),
-                config=mm.GemvStaged(3, 1), gated=True)
+        gv.gemv(device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 2), np.float32),
+                config=gv.GemvStaged(3, 1), gated=True)
 
 
 def test_gemv_config_checks():
     x, w, out = device_empty((1, 8), np.float32), device_empty((4, 8), np.uint16), device_empty((1, 4), np.float32)
     with pytest.raises(ValueError, match="multiple of k_split"):
-        mm.gemv(x, w, out, config=mm.GemvConfig(3, 1, 1, 2))
+        gv.gemv(x, w, out, config=gv.GemvConfig(3, 1, 1, 2))
 
 
 @settings(max_examples=examples(6, 15))
 @given(seeds, sizes(9, [16, 64, 256, 1024], 1100), weight_shapes(70, 40), x_scales, w_scales, st.booleans())
 def test_gemm(seed, m, nk, x_scale, w_scale, bf16_inputs):
-    """The engine's 64 x 64 tile. Simulator shapes: one tile row, one or two tile columns, partial K slabs."""
+    """The engine's tile (matmul.GEMM_TILE: 64 x 64 on the GPU, 16 x 16 in the simulator): partial tiles and
+    K slabs."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemm, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    check(run(simt.gemm, x, w, tile=mm.GEMM_TILE, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 # Small tiles (64 threads) put many tiles and every kind of edge into shapes the simulator can afford.
-SMALL_TILES = [mm.GemmTile(16, 16, 8, 2, 2), mm.GemmTile(32, 16, 8, 4, 2)]
+SMALL_TILES = [simt.GemmTile(16, 16, 8, 2, 2), simt.GemmTile(32, 16, 8, 4, 2)]
 
 
 @settings(max_examples=examples(8, 10))
@@ -430,7 +451,7 @@ def test_gemm_small_tiles(seed, m, nk, x_scale, w_scale, tile, bf16_inputs):
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemm, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    check(run(simt.gemm, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 @settings(max_examples=examples(5, 10))
@@ -466,9 +487,9 @@ def test_mma_fragment_random_values(seed, x_scale, w_scale):
 # two k-steps per group, two stages.
 GPU_TC_TILES = [mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, *[t for ts in mm.GEMM_TC_SKINNY_TILES.values() for t in ts],
                 mm.GEMM_TC_SKINNY_DEEP_TILE, mm.GEMM_TC_SMALL_TILE._replace(stages=2),
-                mm.GemmTcTile(16, 16, 128, 16, 8, 4, 2)]
-SIM_TC_TILES = [mm.GEMM_TC_SIM_TILE, mm.GemmTcTile(32, 16, 32, 16, 8), mm.GemmTcTile(32, 16, 16, 32, 16),
-                mm.GemmTcTile(32, 16, 64, 32, 16, 4), mm.GemmTcTile(16, 16, 64, 16, 16, 2, 2),
+                tc.GemmTcTile(16, 16, 128, 16, 8, 4, 2)]
+SIM_TC_TILES = [tc.SIM_TILE, tc.GemmTcTile(32, 16, 32, 16, 8), tc.GemmTcTile(32, 16, 16, 32, 16),
+                tc.GemmTcTile(32, 16, 64, 32, 16, 4), tc.GemmTcTile(16, 16, 64, 16, 16, 2, 2),
                 mm.GEMM_TC_SKINNY_TILES[16][-1], mm.GEMM_TC_SKINNY_DEEP_TILE]
 TC_TILES = SIM_TC_TILES if SIM else GPU_TC_TILES
 
@@ -476,12 +497,13 @@ TC_TILES = SIM_TC_TILES if SIM else GPU_TC_TILES
 @settings(max_examples=examples(6, 20))
 @given(seeds, sizes(20, [16, 64, 256, 1024], 1100), weight_shapes(24, 40), x_scales, w_scales, st.booleans())
 def test_gemm_tc(seed, m, nk, x_scale, w_scale, bf16_inputs):
-    """The launcher's default tile (the policy's on the GPU, GEMM_TC_SIM_TILE in the simulator). K % 4 != 0
+    """The policy's tile on the GPU (matmul.gemm_tc_tile), gemm_tc.SIM_TILE in the simulator. K % 4 != 0
     takes the bf16-at-a-time weight loads; K not a multiple of 16 zero-pads the last slab; partial tiles."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(mm.gemm_tc, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    tile = tc.SIM_TILE if SIM else mm.gemm_tc_tile(m, n, k, bf16_inputs)
+    check(run(tc.gemm_tc, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 @pytest.mark.parametrize("tile", TC_TILES, ids=lambda t: "x".join(map(str, t)))
@@ -492,7 +514,7 @@ def test_gemm_tc_tiles(tile, seed, m, nk, bf16_inputs):
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k)
-    check(run(mm.gemm_tc, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    check(run(tc.gemm_tc, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 def test_gemm_tc_refuses_strided_operands():
@@ -503,12 +525,13 @@ def test_gemm_tc_refuses_strided_operands():
     wide_w = to_device(np.concatenate([w, np.zeros((12, 8), np.uint16)], axis=1))
     out = stale_out(5, 12)
     with pytest.raises(ValueError, match=r"gemm_tc: x must be C-contiguous, got shape \(5, 40\) with strides"):
-        mm.gemm_tc(wide_x[:, :40], to_device(w), out)
+        tc.gemm_tc(wide_x[:, :40], to_device(w), out)
     with pytest.raises(ValueError, match=r"gemm_tc: weight must be C-contiguous, got shape \(12, 40\)"):
-        mm.gemm_tc(to_device(x), wide_w[:, :40], out)
+        tc.gemm_tc(to_device(x), wide_w[:, :40], out)
 
 
-@pytest.mark.parametrize("launcher", [mm.matmul_naive, mm.gemm, mm.gemm_tc], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("launcher", [simt.matmul_naive, gv.gemv_warp, simt.gemm, tc.gemm_tc],
+                         ids=lambda f: f.__name__)
 def test_bf16_inputs_round_to_nearest_even(launcher):
     """x @ I with x on and around bf16 rounding ties: out must be exactly x rounded to nearest, ties to even
     (truncation, or ties away from zero, would differ in the last bf16 bit)."""
@@ -529,7 +552,7 @@ def test_gemm_tc_keeps_infinity(bf16_inputs):
     x, w = make_inputs(0, 3, 5, 24)
     x[1, 7] = np.inf
     x[2, 3] = -np.inf
-    got = run(mm.gemm_tc, x, w, bf16_inputs=bf16_inputs).copy_to_host()
+    got = run(tc.gemm_tc, x, w, bf16_inputs=bf16_inputs).copy_to_host()
     want = reference_matmul(round_to_bf16(x) if bf16_inputs else x, w)
     np.testing.assert_array_equal(got[1:], want[1:])   # +-inf in the infinite rows, signs per column
     check(got[:1], x[:1], w, bf16_inputs)
@@ -553,7 +576,7 @@ def test_matmul_dispatch(seed, m, nk, bf16_inputs):
 # gemm_tc's tile policy (a pure function of the shape: the same on both profiles)
 # ---------------------------------------------------------------------------------------------------------
 
-T = mm.GemmTcTile
+T = tc.GemmTcTile
 SKINNY16, SKINNY32 = mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_TILES[32]
 
 
@@ -590,7 +613,7 @@ def test_gemm_tc_tile_policy_rules(m, n, k):
     """The rules of gemm_tc_tile's docstring, for any shape; every pick fits shared memory in both modes."""
     tile = mm.gemm_tc_tile(m, n, k, bf16_inputs=True)
     assert mm.gemm_tc_tile(m, n, k)._replace(min_blocks=0) == tile
-    assert all(mm.gemm_tc_shared_bytes(tile, bf16) <= mm.GEMM_TC_MAX_SHARED for bf16 in (False, True))
+    assert all(tc.gemm_tc_shared_bytes(tile, bf16) <= tc.GEMM_TC_MAX_SHARED for bf16 in (False, True))
     if m > 64 and blocks(mm.GEMM_TC_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
         assert tile == mm.GEMM_TC_TILE
         return
@@ -611,20 +634,26 @@ def test_gemm_tc_tile_policy_rules(m, n, k):
 # NaN stays where it came from
 # ---------------------------------------------------------------------------------------------------------
 
+def policy_gemv(x, w, out, bf16_inputs=False):
+    gv.gemv(x, w, out, config=mm.gemv_config(x.shape[0], w.shape[0], x.shape[1]), bf16_inputs=bf16_inputs)
+
+
 VERSIONS = {
-    "naive": mm.matmul_naive,
-    "gemv": mm.gemv,
-    "gemm": mm.gemm,
-    "gemm-small-tile": lambda x, w, out: mm.gemm(x, w, out, tile=SMALL_TILES[0]),
-    "gemm_tc": mm.gemm_tc,
-    "gemm_tc-skinny": lambda x, w, out: mm.gemm_tc(x, w, out, tile=mm.GEMM_TC_SKINNY_TILES[16][-1]),
+    "naive": simt.matmul_naive,
+    "gemv_warp": gv.gemv_warp,
+    "gemv": policy_gemv,
+    "gemm": lambda x, w, out: simt.gemm(x, w, out, tile=mm.GEMM_TILE),
+    "gemm-small-tile": lambda x, w, out: simt.gemm(x, w, out, tile=SMALL_TILES[0]),
+    "gemm_tc": tc.gemm_tc,
+    "gemm_tc-skinny": lambda x, w, out: tc.gemm_tc(x, w, out, tile=mm.GEMM_TC_SKINNY_TILES[16][-1]),
     "matmul": mm.matmul,
 }
 # bf16_inputs: a NaN x rounds to a NaN bf16, so it must stay as confined as in fp32 mode
 BF16_VERSIONS = {
-    "naive-bf16": lambda x, w, out: mm.matmul_naive(x, w, out, bf16_inputs=True),
-    "gemm-bf16": lambda x, w, out: mm.gemm(x, w, out, bf16_inputs=True),
-    "gemm_tc-bf16": lambda x, w, out: mm.gemm_tc(x, w, out, bf16_inputs=True),
+    "naive-bf16": lambda x, w, out: simt.matmul_naive(x, w, out, bf16_inputs=True),
+    "gemv_warp-bf16": lambda x, w, out: gv.gemv_warp(x, w, out, bf16_inputs=True),
+    "gemm-bf16": lambda x, w, out: simt.gemm(x, w, out, tile=mm.GEMM_TILE, bf16_inputs=True),
+    "gemm_tc-bf16": lambda x, w, out: tc.gemm_tc(x, w, out, bf16_inputs=True),
 }
 
 
@@ -655,7 +684,7 @@ def test_nan_row_and_column_stay_confined(version, seed, m, nk, data):
 # launcher argument checks
 # ---------------------------------------------------------------------------------------------------------
 
-LAUNCHERS = [mm.matmul_naive, mm.gemv, mm.gemm, mm.gemm_tc, mm.matmul]
+LAUNCHERS = [simt.matmul_naive, gv.gemv_warp, gv.gemv, simt.gemm, tc.gemm_tc, mm.matmul]
 
 
 def _args(m=3, n=5, k=8, x_dtype=np.float32, w_dtype=np.uint16, out_dtype=np.float32, out_shape=None):
@@ -693,11 +722,11 @@ def test_uint64_weight_view_only_where_gemv_takes_it():
     """gemv accepts W's uint64 view (K = 4 * its width); gemm and gemm_tc would read it as bf16: refused."""
     x, w, out = _args(k=8)
     with pytest.raises(ValueError, match=r"x \(3, 8\) and weight \(5, 1\) \(uint64\) disagree on K \(8 vs 4"):
-        mm.gemv(x, device_empty((5, 1), np.uint64), out)
+        gv.gemv(x, device_empty((5, 1), np.uint64), out)
     with pytest.raises(ValueError, match="weight must be uint16 bf16 bits, got uint64"):
-        mm.gemm(x, w.view(np.uint64), out)
+        simt.gemm(x, w.view(np.uint64), out)
     with pytest.raises(ValueError, match="weight must be uint16 bf16 bits, got uint64"):
-        mm.gemm_tc(x, w.view(np.uint64), out)
+        tc.gemm_tc(x, w.view(np.uint64), out)
 
 
 @pytest.mark.parametrize("tile, bf16_inputs, match", [
@@ -712,14 +741,14 @@ def test_uint64_weight_view_only_where_gemv_takes_it():
 ])
 def test_gemm_tc_rejects_bad_tiles(tile, bf16_inputs, match):
     with pytest.raises(ValueError, match=match):
-        mm.gemm_tc(*_args(), tile=tile, bf16_inputs=bf16_inputs)
+        tc.gemm_tc(*_args(), tile=tile, bf16_inputs=bf16_inputs)
 
 
 def test_gemm_tc_shared_memory_of_one_plane():
     """bf16_inputs stages one x plane instead of three: a two-stage 128 x 128 tile fits only that way."""
     big2 = mm.GEMM_TC_TILE._replace(stages=2)
-    assert mm.gemm_tc_shared_bytes(big2, bf16_inputs=True) == 2 * mm.gemm_tc_shared_bytes(mm.GEMM_TC_TILE, True)
-    assert mm.gemm_tc_shared_bytes(big2, True) <= mm.GEMM_TC_MAX_SHARED < mm.gemm_tc_shared_bytes(big2, False)
+    assert tc.gemm_tc_shared_bytes(big2, bf16_inputs=True) == 2 * tc.gemm_tc_shared_bytes(mm.GEMM_TC_TILE, True)
+    assert tc.gemm_tc_shared_bytes(big2, True) <= tc.GEMM_TC_MAX_SHARED < tc.gemm_tc_shared_bytes(big2, False)
 
 
 # ---------------------------------------------------------------------------------------------------------

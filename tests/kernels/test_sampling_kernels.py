@@ -21,7 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_support import F32_EPS, SIM, device_empty, examples, pick, sizes, to_device
 
+from cuda_kernels import argmax as am
 from cuda_kernels import sampling as kernels
+from cuda_kernels import sampling_steps as steps
 from reference import sampling as ref
 
 seeds = st.integers(0, 2**32 - 1)
@@ -152,9 +154,9 @@ def test_argmax_matches_reference(seed, num_seqs, vocab, threads, kind):
     logits = np.stack([make_row(rng, kind, vocab) for _ in range(num_seqs)])
     d_logits, out = to_device(logits), device_empty(num_seqs, np.int32)
     want = ref.argmax(logits)
-    kernels.argmax(d_logits, out, threads=threads)
+    am.argmax(d_logits, out, threads=threads)
     np.testing.assert_array_equal(out.copy_to_host(), want)
-    kernels.argmax_naive(d_logits, out, threads=32)
+    am.argmax_naive(d_logits, out, threads=32)
     np.testing.assert_array_equal(out.copy_to_host(), want)
 
 
@@ -173,9 +175,9 @@ def test_argmax_ties_nan_and_infinities_follow_numpy():
     assert want.tolist() == [5, 0, 3, v - 1, 0, 33]
     d, out = to_device(logits), device_empty(6, np.int32)
     for threads in pick([32, 64], [256, 1024]):
-        kernels.argmax(d, out, threads=threads)
+        am.argmax(d, out, threads=threads)
         assert out.copy_to_host().tolist() == want.tolist()
-    kernels.argmax_naive(d, out)
+    am.argmax_naive(d, out)
     assert out.copy_to_host().tolist() == want.tolist()
     zeros = np.zeros(6)
     got = launch_sample(logits, zeros, zeros, np.ones(6), zeros, np.full(6, 0.5), pick(32, 512))
@@ -190,8 +192,8 @@ POISON = 2 ** 30  # an index past any row: a stage 2 that read a partial stage 1
 def split_shape(num_seqs, vocab, partitions):
     """(P, chunk) the launcher will use: its policy, or the override."""
     if partitions is None:
-        return kernels.argmax_partitions(num_seqs, vocab)
-    return kernels._partition(vocab, partitions)
+        return am.argmax_partitions(num_seqs, vocab)
+    return am._partition(vocab, partitions)
 
 
 def launch_split_argmax(logits, partitions=None, threads=None, d_logits=None):
@@ -199,10 +201,10 @@ def launch_split_argmax(logits, partitions=None, threads=None, d_logits=None):
     poisoned out."""
     num_seqs, vocab = logits.shape
     parts, _ = split_shape(num_seqs, vocab, partitions)
-    size = max(num_seqs * parts, kernels.argmax_workspace_size(num_seqs, vocab))
+    size = max(num_seqs * parts, am.argmax_workspace_size(num_seqs, vocab))
     workspace = to_device(np.full(size, POISON, np.int32))
     out = to_device(np.full(num_seqs, -1, np.int32))
-    kernels.argmax(to_device(logits) if d_logits is None else d_logits, out, workspace=workspace,
+    am.argmax(to_device(logits) if d_logits is None else d_logits, out, workspace=workspace,
                    partitions=partitions, threads=threads)
     return out.copy_to_host()
 
@@ -249,8 +251,8 @@ def test_split_argmax_matches_reference(seed, num_seqs, vocab, threads, partitio
 
 def test_split_argmax_ties_across_partitions_take_the_lowest_index():
     v, parts = pick(200, 128256), 4
-    c = kernels._partition(v, parts)[1]
-    assert kernels._partition(v, parts)[0] == parts and c < v
+    c = am._partition(v, parts)[1]
+    assert am._partition(v, parts)[0] == parts and c < v
     logits = np.zeros((9, v), np.float32)
     logits[0, [c - 1, c]] = 5.0                         # the last of chunk 0 against the first of chunk 1
     logits[1, [c, 2 * c - 1, 3 * c]] = 5.0              # chunk 1's first against later chunks'
@@ -275,13 +277,13 @@ def test_split_argmax_rounds_of_loads_and_the_default_policy():
     that the launcher's own policy splits (P > 1) even for one row."""
     rng = np.random.default_rng(21)
     threads = pick(32, 256)
-    rnd = kernels.UNROLL * threads
+    rnd = am.UNROLL * threads
     v = 2 * (2 * rnd + 37)                              # P = 2: two full rounds and a partial one per chunk
     logits = np.stack([make_row(rng, k, v) for k in ("normal", "ties", "neg_inf")])
     logits[0, [rnd - 1, rnd, 2 * rnd + 5]] = 50.0       # a tie between the first two rounds of chunk 0
     assert launch_split_argmax(logits, 2, threads).tolist() == ref.argmax(logits).tolist()
-    v = 3 * kernels.MIN_CHUNK + 5
-    parts, c = kernels.argmax_partitions(1, v)
+    v = 3 * am.MIN_CHUNK + 5
+    parts, c = am.argmax_partitions(1, v)
     assert parts == 3
     row = make_row(rng, "ties", v)
     row[[c - 1, c, 2 * c]] = 50.0
@@ -301,50 +303,50 @@ def test_split_argmax_strided_logits():
 def test_argmax_partition_policy():
     """From shapes only: no empty partition, chunks of at least MIN_CHUNK when split, about TARGET_BLOCKS
     blocks, P = 1 for many rows, and argmax_workspace_size covering every batch up to its row count."""
-    for v in (1, 2, 100, kernels.MIN_CHUNK, 2 * kernels.MIN_CHUNK - 1, 2 * kernels.MIN_CHUNK, 49152, 128256,
+    for v in (1, 2, 100, am.MIN_CHUNK, 2 * am.MIN_CHUNK - 1, 2 * am.MIN_CHUNK, 49152, 128256,
               10 ** 6):
         need = 0
         for s in list(range(1, 300)) + [1023, 1024, 1025, 5000]:
-            parts, chunk = kernels.argmax_partitions(s, v)
+            parts, chunk = am.argmax_partitions(s, v)
             assert (parts - 1) * chunk < v <= parts * chunk, (s, v)
-            assert parts == 1 or (chunk >= kernels.MIN_CHUNK and s * parts < kernels.TARGET_BLOCKS + s), (s, v)
-            assert (parts == 1) == (s >= kernels.TARGET_BLOCKS or v < 2 * kernels.MIN_CHUNK), (s, v)
+            assert parts == 1 or (chunk >= am.MIN_CHUNK and s * parts < am.TARGET_BLOCKS + s), (s, v)
+            assert (parts == 1) == (s >= am.TARGET_BLOCKS or v < 2 * am.MIN_CHUNK), (s, v)
             if parts > 1:
                 need = max(need, s * parts)
             if s < 300:
-                assert kernels.argmax_workspace_size(s, v) == max(1, need), (s, v)
-    assert [kernels.argmax_partitions(s, 128256) for s in (1, 64, 256)] == [(62, 2069), (16, 8016), (4, 32064)]
-    assert kernels._partition(9, 4) == (3, 3)                               # 4 asked, 3 non-empty
-    assert kernels._partition(5, 100) == (5, 1)
+                assert am.argmax_workspace_size(s, v) == max(1, need), (s, v)
+    assert [am.argmax_partitions(s, 128256) for s in (1, 64, 256)] == [(62, 2069), (16, 8016), (4, 32064)]
+    assert am._partition(9, 4) == (3, 3)                               # 4 asked, 3 non-empty
+    assert am._partition(5, 100) == (5, 1)
 
 
 def test_split_argmax_checks_its_workspace():
     v = 40
     logits, out = to_device(np.zeros((3, v), np.float32)), device_empty(3, np.int32)
     with pytest.raises(ValueError, match=r"at least 12 int32 elements \(3 rows x 4 partitions"):
-        kernels.argmax(logits, out, workspace=device_empty(11, np.int32), partitions=4)
+        am.argmax(logits, out, workspace=device_empty(11, np.int32), partitions=4)
     with pytest.raises(TypeError, match="workspace must be int32, got float32"):
-        kernels.argmax(logits, out, workspace=device_empty(12, np.float32), partitions=4)
+        am.argmax(logits, out, workspace=device_empty(12, np.float32), partitions=4)
     with pytest.raises(TypeError, match="workspace must be a device array"):
-        kernels.argmax(logits, out, workspace=np.zeros(12, np.int32), partitions=4)
+        am.argmax(logits, out, workspace=np.zeros(12, np.int32), partitions=4)
     with pytest.raises(ValueError, match="must be 1-D"):
-        kernels.argmax(logits, out, workspace=device_empty((3, 4), np.int32), partitions=4)
+        am.argmax(logits, out, workspace=device_empty((3, 4), np.int32), partitions=4)
     with pytest.raises(ValueError, match="4 partitions need a workspace: an int32 device array of at least 12"):
-        kernels.argmax(logits, out, partitions=4)
+        am.argmax(logits, out, partitions=4)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="partitions must be a positive int"):
-            kernels.argmax(logits, out, workspace=device_empty(12, np.int32), partitions=bad)
+            am.argmax(logits, out, workspace=device_empty(12, np.int32), partitions=bad)
     with pytest.raises(ValueError, match="threads must be one of"):
-        kernels.argmax(logits, out, threads=48, workspace=device_empty(12, np.int32))
+        am.argmax(logits, out, threads=48, workspace=device_empty(12, np.int32))
     # P = 1 needs no workspace (stage 1 writes out itself); a larger workspace than needed is fine
     host = np.zeros((3, v), np.float32)
     host[:, [3, 17]] = 1.0
-    kernels.argmax(to_device(host), out, partitions=1, threads=32)
+    am.argmax(to_device(host), out, partitions=1, threads=32)
     assert out.copy_to_host().tolist() == [3, 3, 3]
-    kernels.argmax(to_device(host), out, workspace=device_empty(1000, np.int32), partitions=4, threads=32)
+    am.argmax(to_device(host), out, workspace=device_empty(1000, np.int32), partitions=4, threads=32)
     assert out.copy_to_host().tolist() == [3, 3, 3]
     # zero rows: checked, nothing launched
-    kernels.argmax(to_device(np.zeros((0, v), np.float32)), device_empty(0, np.int32),
+    am.argmax(to_device(np.zeros((0, v), np.float32)), device_empty(0, np.int32),
                    workspace=device_empty(1, np.int32))
 
 
@@ -449,7 +451,7 @@ def test_radix_searches_stop_only_when_decided():
     pairs = np.log(w).astype(np.float32)[[0, 1, 2, 4, 5, 3]]            # the 0.4995 token last
     p = np.exp(pairs - pairs.max())
     p /= p.sum()
-    bits = p.view(np.uint32) >> (2 * kernels.RADIX_BITS)
+    bits = p.view(np.uint32) >> (2 * steps.RADIX_BITS)
     assert bits[2] == bits[5] and p[2] != p[5]                          # precondition: one bucket, two values
     top_p = np.float32(p[[0, 1, 2]].sum() - 1e-4)
     padded = np.concatenate([pairs, np.full(flat.size - pairs.size, -np.inf, np.float32)])
@@ -587,7 +589,7 @@ POISON64 = 0x5A5A5A5A5A5A5A5A  # as int64 an index past any row, as float64 ~1e1
 def split_sample_size(num_seqs, vocab, partitions, threads):
     """uint64 elements that this launch needs: the runner's size, or more for an override of P."""
     parts, _ = split_shape(num_seqs, vocab, partitions)
-    t = kernels.SPLIT_THREADS if threads is None else threads
+    t = am.SPLIT_THREADS if threads is None else threads
     return max(kernels._sample_sections(None, num_seqs, parts, t), kernels.sample_workspace_size(num_seqs, vocab, t))
 
 
@@ -696,15 +698,15 @@ def test_split_sample_walks_a_long_unit():
 def test_sample_workspace_size_covers_every_batch():
     """From shapes only: sample_workspace_size(n, V) is the most that any batch of up to n rows needs at the
     launcher's policy, for the default block size and others."""
-    for v in (1, 100, kernels.MIN_CHUNK, 2 * kernels.MIN_CHUNK, 49152, 128256):
+    for v in (1, 100, am.MIN_CHUNK, 2 * am.MIN_CHUNK, 49152, 128256):
         for threads in (None, 32, 1024):
-            t = kernels.SPLIT_THREADS if threads is None else threads
-            need = [kernels._sample_sections(None, s, kernels.argmax_partitions(s, v)[0], t) for s in range(1, 301)]
+            t = am.SPLIT_THREADS if threads is None else threads
+            need = [kernels._sample_sections(None, s, am.argmax_partitions(s, v)[0], t) for s in range(1, 301)]
             for n in (1, 2, 64, 256, 300):
                 assert kernels.sample_workspace_size(n, v, threads) == max(need[:n]), (v, threads, n)
     assert kernels.sample_workspace_size(0, 128256) == 1
     big = kernels.sample_workspace_size(5000, 128256)                  # past TARGET_BLOCKS rows P = 1
-    assert big == kernels._sample_sections(None, 5000, 1, kernels.SPLIT_THREADS)
+    assert big == kernels._sample_sections(None, 5000, 1, am.SPLIT_THREADS)
 
 
 def test_split_sample_checks_its_workspace():
@@ -742,19 +744,19 @@ def test_launchers_reject_bad_arguments():
     out = device_empty(2, np.int32)
     f32, i32 = to_device(np.ones(2, np.float32)), to_device(np.zeros(2, np.int32))
     with pytest.raises(TypeError, match="logits must be a device array"):
-        kernels.argmax(np.zeros((2, 10), np.float32), out)
+        am.argmax(np.zeros((2, 10), np.float32), out)
     with pytest.raises(TypeError, match="logits must be float32"):
-        kernels.argmax(to_device(np.zeros((2, 10), np.float64)), out)
+        am.argmax(to_device(np.zeros((2, 10), np.float64)), out)
     with pytest.raises(ValueError, match="logits must be 2-D"):
-        kernels.argmax(to_device(np.zeros(10, np.float32)), out)
+        am.argmax(to_device(np.zeros(10, np.float32)), out)
     with pytest.raises(ValueError, match=r"out must have shape \(2,\)"):
-        kernels.argmax(logits, device_empty(3, np.int32))
+        am.argmax(logits, device_empty(3, np.int32))
     with pytest.raises(TypeError, match="out must be int32"):
-        kernels.argmax_naive(logits, device_empty(2, np.int64))
+        am.argmax_naive(logits, device_empty(2, np.int64))
     with pytest.raises(ValueError, match="vocab size"):
-        kernels.argmax(to_device(np.zeros((2, 0), np.float32)), out)
+        am.argmax(to_device(np.zeros((2, 0), np.float32)), out)
     with pytest.raises(ValueError, match="threads must be one of"):
-        kernels.argmax(logits, out, threads=48)
+        am.argmax(logits, out, threads=48)
     with pytest.raises(TypeError, match="top_k must be int32"):
         kernels.sample(logits, f32, f32, f32, f32, f32, out)
     with pytest.raises(ValueError, match=r"uniform must have shape \(2,\)"):

@@ -7,7 +7,7 @@ throughput (useful flops), and the fraction of the measured ceiling.
 Timing: a kernel launch from Python costs 20-80 us of host time, more than most decode kernels run, so
 back-to-back eager launches would time Python. The launches are therefore captured into a CUDA graph
 (tinyvllm/cuda_graph.py) and the graph is replayed between two CUDA events; a replayed
-kernel costs about 1 us of launch overhead (see shared GPU.md). Numba's CUDA simulator has neither graphs nor
+kernel costs about 1 us of launch overhead (docs/performance.md). Numba's CUDA simulator has neither graphs nor
 event timing: there a case's time is the wall time of one eager launch, which shows that the case runs, not how
 fast (every CUDA thread is a Python thread).
 """

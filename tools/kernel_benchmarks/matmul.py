@@ -1,4 +1,5 @@
-"""Benchmark cases for cuda_kernels/matmul.py at Llama-3.2-1B shapes (x @ W^T, W bf16 in nn.Linear layout).
+"""Benchmark cases for the matmul family (cuda_kernels/matmul.py and its kernels) at Llama-3.2-1B shapes
+(x @ W^T, W bf16 in nn.Linear layout).
 
 - gemv at M = 1 for each of the five weights and at M = 8 (decode): bandwidth-bound, so bytes_moved is the
   weight plus x and out (the weight is read once per launch at M <= 8);
@@ -23,7 +24,7 @@ tools/bench_kernels.py rates TFLOP/s against the fp32 FMA peak; for the tensor-c
 gemm_tc's policy tile)
 
 which times the gemm_tc cases alone and also gives GB/s of weight read and the fraction of the measured
-mma.sync peak (359 TFLOP/s, GPU.md) that the mma work reaches (3x the useful flops in fp32 mode).
+mma.sync peak (359 TFLOP/s, docs/performance.md) that the mma work reaches (3x the useful flops in fp32 mode).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim before numba.cuda, for `python -m` runs)
 from cuda_kernels import gemm_pipelined as gp
+from cuda_kernels import gemm_simt as simt
+from cuda_kernels import gemm_tc as tc
+from cuda_kernels import gemv as gv
 from cuda_kernels import matmul as mm
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
 from numba import cuda
@@ -49,7 +53,7 @@ from tools.kernel_benchmarks.common import Case, checked_time
 WEIGHTS = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
            ("lm_head", 128256, 2048)]
 EPS = float(np.finfo(np.float32).eps)
-MMA_PEAK_TFLOPS = 359.0   # mma.sync m16n8k16 bf16 in a register-only loop (GPU.md)
+MMA_PEAK_TFLOPS = 359.0   # mma.sync m16n8k16 bf16 in a register-only loop (docs/performance.md)
 TC_WEIGHTS = ("qkv", "o", "gate_up", "down", "lm_head")
 TC_MS = (16, 32, 64, 128, 256, 1024)
 _SKINNY = (*mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_DEEP_TILE, *mm.GEMM_TC_SKINNY_TILES[32])
@@ -62,7 +66,7 @@ _PREFILL = (mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, mm.GEMM_TC_TILE._replace(sta
 # The 32-row tiles with fp32 mode's occupancy bound too (in both modes), to measure what it buys.
 _BOUND32 = tuple(t._replace(min_blocks=mm.SKINNY32_FP32_MIN_BLOCKS) for t in mm.GEMM_TC_SKINNY_TILES[32])
 TC_CANDIDATES = {
-    16: (*_SKINNY[:4], mm.GemmTcTile(16, 16, 128, 16, 8, 4, 2), mm.GEMM_TC_SMALL_TILE),
+    16: (*_SKINNY[:4], tc.GemmTcTile(16, 16, 128, 16, 8, 4, 2), mm.GEMM_TC_SMALL_TILE),
     32: (*_SKINNY[4:], mm.GEMM_TC_SKINNY_TILES[16][-1], *_BOUND32),
     64: (*_SKINNY[4:], *_BOUND32, _PREFILL[1]),
     128: (*_SKINNY[4:], *_BOUND32, *_PREFILL[:2]),
@@ -149,33 +153,33 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
                 for bf16 in (False, True):
                     chosen = mm.gemm_tc_tile(m, n, k, bf16)
                     mode = "bf16" if bf16 else "fp32"
-                    out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", mm.gemm_tc, x, w, dx, dw,
+                    out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", tc.gemm_tc, x, w, dx, dw,
                                      None, tile=chosen, bf16_inputs=bf16))
                     for tile in TC_CANDIDATES.get(m, ()) if sweep else ():
-                        if tile == chosen or mm.gemm_tc_shared_bytes(tile, bf16) > mm.GEMM_TC_MAX_SHARED:
+                        if tile == chosen or tc.gemm_tc_shared_bytes(tile, bf16) > tc.GEMM_TC_MAX_SHARED:
                             continue
-                        out.append(_case(f"{wname} {mode} (variant: tile {_tile_label(tile)})", mm.gemm_tc,
+                        out.append(_case(f"{wname} {mode} (variant: tile {_tile_label(tile)})", tc.gemm_tc,
                                          x, w, dx, dw, None, tile=tile, bf16_inputs=bf16))
         if tensor_core_only:
             continue
         for m in (1, 8):
             x, dx = activations(m, k)
-            out.append(_case(wname, mm.gemv, x, w, dx, dw, False))
+            out.append(_case(wname, gv.gemv, x, w, dx, dw, False, config=mm.gemv_config(m, n, k)))
         if wname in ("qkv", "gate_up", "down"):
             x, dx = activations(1024, k)
-            out.append(_case(wname, mm.gemm, x, w, dx, dw, True))
+            out.append(_case(wname, simt.gemm, x, w, dx, dw, True))
         if wname == "qkv":
             x, dx = activations(1024, k)
-            tile = mm.GemmTile(128, 128, 8, 8, 8)
+            tile = simt.GemmTile(128, 128, 8, 8, 8)
             label = f"{wname} (variant: tile {tuple(tile)})"
-            out.append(_case(label, mm.gemm, x, w, dx, dw, True, tile=tile))
+            out.append(_case(label, simt.gemm, x, w, dx, dw, True, tile=tile))
         if wname == "o":
             x, dx = activations(1, k)
-            out.append(_case(wname, mm.matmul_naive, x, w, dx, dw, False))
+            out.append(_case(wname, simt.matmul_naive, x, w, dx, dw, False))
         if wname == "gate_up":
             x, dx = activations(1, k)
-            for config in (mm.GemvConfig(4, 1), mm.GemvConfig(4, 4), mm.GemvConfig(8, 2)):
-                out.append(_case(f"{wname} (variant: {config})", mm.gemv, x, w, dx, dw, False, config=config))
+            for config in (gv.GemvConfig(4, 1), gv.GemvConfig(4, 4), gv.GemvConfig(8, 2)):
+                out.append(_case(f"{wname} (variant: {config})", gv.gemv, x, w, dx, dw, False, config=config))
     return out
 
 
@@ -200,7 +204,7 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDA
             for bf16 in (False, True):
                 mode = "bf16" if bf16 else "fp32"
                 chosen = mm.gemm_tc_tile(m, n, k, bf16)
-                out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", mm.gemm_tc, x, w, dx, dw, None,
+                out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", tc.gemm_tc, x, w, dx, dw, None,
                                  tile=chosen, bf16_inputs=bf16))
                 policy = gp.pipelined_tile(m, n, k, bf16)
                 for tile in (policy, *(t for t in tiles if t != policy)):
@@ -220,15 +224,15 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDA
 # gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split[, pipelined]); the first
 # version's (4, 2, 1, 1), the policy's four at M = 1, the earlier policies' (8, 2, 4, 4), (8, 4, 2, 4) and
 # (4, 4, 2, 2), and neighbours
-GEMV_CANDIDATES = [mm.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K] + [
-    mm.GemvConfig(*c) for c in ((8, 2, 4, 4), (8, 4, 2, 4), (4, 4, 2, 2), (8, 2, 4, 2), (16, 2, 2, 8), (4, 2, 2, 2),
+GEMV_CANDIDATES = [gv.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K] + [
+    gv.GemvConfig(*c) for c in ((8, 2, 4, 4), (8, 4, 2, 4), (4, 4, 2, 2), (8, 2, 4, 2), (16, 2, 2, 8), (4, 2, 2, 2),
                                 (16, 2, 2, 4), (8, 2, 1, 4), (4, 2, 8, 1), (8, 2, 4, 1), (4, 4, 4, 4), (8, 2, 8, 4),
                                 (8, 4, 4, 4), (8, 2, 4, 4, True), (4, 2, 4, 2, True))]
 # the few of them timed at M > 1 as well (M rows share each weight read there)
-GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [mm.GemvConfig(8, 1, 2, 4), mm.GemvConfig(4, 2, 4, 2, True)]
+GEMV_CANDIDATES_M = GEMV_CANDIDATES[:4] + [gv.GemvConfig(8, 1, 2, 4), gv.GemvConfig(4, 2, 4, 2, True)]
 # the staged gemv (rows_per_block, warps), timed where its tile fits a block's shared memory: 16 rows halve
 # the x reads per weight byte of 8 (K = 2048: a 64 KB tile); 2-8 rows for K = 8192
-GEMV_STAGED_CANDIDATES = [mm.GemvStaged(*c) for c in ((8, 4), (4, 4), (8, 2), (4, 2), (8, 8), (16, 4), (16, 8),
+GEMV_STAGED_CANDIDATES = [gv.GemvStaged(*c) for c in ((8, 4), (4, 4), (8, 2), (4, 2), (8, 8), (16, 4), (16, 8),
                                                        (2, 4), (2, 8), (4, 8), (8, 16))]
 COLD_BYTES = 256 << 20   # weight copies cycled through per timed graph: 5x the H200's 50 MB L2
 
@@ -246,11 +250,11 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
         for m in sorted(set(ms) | {16}):
             x = rng.standard_normal((m, k), dtype=np.float32)
             dx, dout = cuda.to_device(x), cuda.device_array((m, n), np.float32)
-            runs = [("gemm_tc", mm.gemm_tc, {})] if m > 1 else []
-            runs += [(f"gemv {tuple(c)}", mm.gemv, {"config": c})
+            runs = [("gemm_tc", tc.gemm_tc, {"tile": mm.gemm_tc_tile(m, n, k)})] if m > 1 else []
+            runs += [(f"gemv {tuple(c)}", gv.gemv, {"config": c})
                      for c in (configs if m == 1 else configs_m if m <= 8 else ())]
-            runs += [(f"gemv staged {tuple(c)}", mm.gemv, {"config": c}) for c in (staged if m <= 2 else ())
-                     if mm.gemv_staged_shared_bytes(c, m, k) <= OPT_IN_SHARED_LIMIT]
+            runs += [(f"gemv staged {tuple(c)}", gv.gemv, {"config": c}) for c in (staged if m <= 2 else ())
+                     if gv.gemv_staged_shared_bytes(c, m, k) <= OPT_IN_SHARED_LIMIT]
             for label, launcher, kwargs in runs:
                 out.append(_cold_case(f"{label} {wname} cold {m}x{k} @ {n}x{k}^T", launcher, x, w, dx, copies,
                                       dout, kwargs))

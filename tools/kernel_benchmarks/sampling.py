@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import sampling
+from cuda_kernels import argmax, sampling, sampling_steps
 from reference import sampling as ref
 from tools.kernel_benchmarks.common import Case
 
@@ -44,23 +44,23 @@ SPLIT_SAMPLE_CASES = {
 def radix_passes(p: np.ndarray, top_k: int, top_p: float) -> int:
     """How many radix-select passes cuda_kernels/sampling.sample makes on this row (its early stops included)."""
     bits = p.view(np.uint32)
-    mass = (p.astype(np.float64) * sampling.FIXED_SCALE).astype(np.uint64)
+    mass = (p.astype(np.float64) * sampling_steps.FIXED_SCALE).astype(np.uint64)
     k_done, p_done = not 0 < top_k < p.size, not top_p < 1
     k_prefix = p_prefix = 0
     k_left = top_k
-    p_left = max(1, math.ceil(float(np.float32(top_p)) * sampling.FIXED_SCALE))
+    p_left = max(1, math.ceil(float(np.float32(top_p)) * sampling_steps.FIXED_SCALE))
     passes = 0
-    for digit in range(sampling.RADIX_PASSES):
+    for digit in range(sampling_steps.RADIX_PASSES):
         if k_done and p_done:
             break
         passes += 1
-        shift = sampling.RADIX_BITS * (sampling.RADIX_PASSES - 1 - digit)
-        above = shift + sampling.RADIX_BITS
-        buckets = (bits >> shift) & sampling.RADIX_MASK
-        last = digit == sampling.RADIX_PASSES - 1
+        shift = sampling_steps.RADIX_BITS * (sampling_steps.RADIX_PASSES - 1 - digit)
+        above = shift + sampling_steps.RADIX_BITS
+        buckets = (bits >> shift) & sampling_steps.RADIX_MASK
+        last = digit == sampling_steps.RADIX_PASSES - 1
         if not k_done:
             cand = (bits >> above) == (k_prefix >> above)
-            counts = np.bincount(buckets[cand], minlength=sampling.RADIX_BINS)
+            counts = np.bincount(buckets[cand], minlength=sampling_steps.RADIX_BINS)
             at_least = np.cumsum(counts[::-1])[::-1]            # candidates in this bucket or above
             b = int(np.flatnonzero(at_least >= k_left)[-1])
             k_left -= int(at_least[b] - counts[b])
@@ -68,9 +68,9 @@ def radix_passes(p: np.ndarray, top_k: int, top_p: float) -> int:
             k_done = counts[b] == k_left or last
         if not p_done:
             cand = (bits >> above) == (p_prefix >> above)
-            sums = np.zeros(sampling.RADIX_BINS, np.uint64)
+            sums = np.zeros(sampling_steps.RADIX_BINS, np.uint64)
             np.add.at(sums, buckets[cand], mass[cand])  # exact integer sums, as the kernel's
-            counts = np.bincount(buckets[cand], minlength=sampling.RADIX_BINS)
+            counts = np.bincount(buckets[cand], minlength=sampling_steps.RADIX_BINS)
             at_least = np.cumsum(sums[::-1])[::-1]
             hits = np.flatnonzero(at_least >= p_left)
             if hits.size == 0:
@@ -91,17 +91,17 @@ def split_argmax_cases(s, d_logits, d_out, greedy, workspace) -> list[Case]:
     """The split argmax (v3) at the launcher's policy and around it, on the shared workspace."""
     out = []
     for partitions, threads in SPLIT_CASES[s]:
-        parts, chunk = sampling.argmax_partitions(s, VOCAB) if partitions is None else \
-            sampling._partition(VOCAB, partitions)
+        parts, chunk = argmax.argmax_partitions(s, VOCAB) if partitions is None else \
+            argmax._partition(VOCAB, partitions)
         label = (f"argmax split (v3) {s}x{VOCAB} P={parts}{'' if partitions is None else ' (override)'} "
-                 f"chunk={chunk} threads={threads or sampling.SPLIT_THREADS}")
+                 f"chunk={chunk} threads={threads or argmax.SPLIT_THREADS}")
 
         def run(stream, d_logits=d_logits, d_out=d_out, partitions=partitions, threads=threads):
-            sampling.argmax(d_logits, d_out, stream, threads=threads, workspace=workspace, partitions=partitions)
+            argmax.argmax(d_logits, d_out, stream, threads=threads, workspace=workspace, partitions=partitions)
 
         def check(d_logits=d_logits, d_out=d_out, greedy=greedy, partitions=partitions, threads=threads):
             d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
-            sampling.argmax(d_logits, d_out, threads=threads, workspace=workspace, partitions=partitions)
+            argmax.argmax(d_logits, d_out, threads=threads, workspace=workspace, partitions=partitions)
             np.testing.assert_array_equal(d_out.copy_to_host(), greedy)
 
         out.append(Case("sampling", label, run, check, bytes_moved=4 * s * VOCAB))
@@ -112,9 +112,9 @@ def split_sample_cases(s, d_logits, d_params, d_out, sampled, passes, workspace)
     """The split sample (v2) at the launcher's policy and around it, on the shared workspace."""
     out = []
     for partitions, threads in SPLIT_SAMPLE_CASES[s]:
-        parts, chunk = sampling.argmax_partitions(s, VOCAB) if partitions is None else \
-            sampling._partition(VOCAB, partitions)
-        t = threads or sampling.SPLIT_THREADS
+        parts, chunk = argmax.argmax_partitions(s, VOCAB) if partitions is None else \
+            argmax._partition(VOCAB, partitions)
+        t = threads or argmax.SPLIT_THREADS
         label = (f"sample split (v2) {s}x{VOCAB} T={TEMPERATURE} top_k={TOP_K} top_p={TOP_P} P={parts}"
                  f"{'' if partitions is None else ' (override)'} chunk={chunk} threads={t} ({passes / s:.1f} passes)")
 
@@ -138,17 +138,17 @@ def split_sample_cases(s, d_logits, d_params, d_out, sampled, passes, workspace)
 
 def split_sample_workspace():
     """One workspace for every split sample case: the runner's size for max(ROWS) rows, or more for overrides."""
-    need = [sampling._sample_sections(None, s, (sampling.argmax_partitions(s, VOCAB) if p is None else
-                                                sampling._partition(VOCAB, p))[0], t or sampling.SPLIT_THREADS)
+    need = [sampling._sample_sections(None, s, (argmax.argmax_partitions(s, VOCAB) if p is None else
+                                                argmax._partition(VOCAB, p))[0], t or argmax.SPLIT_THREADS)
             for s, configs in SPLIT_SAMPLE_CASES.items() for p, t in configs]
     return cuda.device_array(max([sampling.sample_workspace_size(max(ROWS), VOCAB)] + need), np.uint64)
 
 
 def split_workspace():
     """One workspace for every split case: the runner's size for max(ROWS) rows, or more for the overrides."""
-    need = [s * (sampling.argmax_partitions(s, VOCAB) if p is None else sampling._partition(VOCAB, p))[0]
+    need = [s * (argmax.argmax_partitions(s, VOCAB) if p is None else argmax._partition(VOCAB, p))[0]
             for s, configs in SPLIT_CASES.items() for p, _ in configs]
-    return cuda.device_array(max([sampling.argmax_workspace_size(max(ROWS), VOCAB)] + need), np.int32)
+    return cuda.device_array(max([argmax.argmax_workspace_size(max(ROWS), VOCAB)] + need), np.int32)
 
 
 def cases() -> list[Case]:
@@ -170,13 +170,13 @@ def cases() -> list[Case]:
             p = np.exp(z - z.max())
             p /= p.sum()
             passes += 3 + radix_passes(p, TOP_K, TOP_P)
-        for threads in (256, sampling.DEFAULT_THREADS, 1024):
+        for threads in (256, argmax.DEFAULT_THREADS, 1024):
             def run_argmax(stream, d_logits=d_logits, d_out=d_out, threads=threads):
-                sampling.argmax(d_logits, d_out, stream, threads=threads)
+                argmax.argmax(d_logits, d_out, stream, threads=threads)
 
             def check_argmax(d_logits=d_logits, d_out=d_out, greedy=greedy, threads=threads):
                 d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
-                sampling.argmax(d_logits, d_out, threads=threads)
+                argmax.argmax(d_logits, d_out, threads=threads)
                 np.testing.assert_array_equal(d_out.copy_to_host(), greedy)
 
             out.append(Case("sampling", f"argmax one block per row (v2, no workspace) {s}x{VOCAB} threads={threads}",
