@@ -231,8 +231,9 @@ def _load_round(x, base, step, end, xs):
 def _chunk_argmax(x, start, end, xs):
     """This thread's best (value, index) under `_beats` and its smallest value over x[start:end] (x: one row),
     strided mapping, in rounds of `_load_round` (the reason the split argmax beats v2 even where both have
-    blocks enough: docs/performance.md). A thread with no element in range returns (-inf, NO_INDEX, inf): it loses to every real element. The argmax
-    ignores the smallest value (the compiler drops it there); `sample` needs it for T < 0.
+    blocks enough: docs/performance.md). A thread with no element in range returns (-inf, NO_INDEX, inf): it
+    loses to every real element. The argmax ignores the smallest value (the compiler drops it there); `sample`
+    needs it for T < 0.
     """
     step = cuda.blockDim.x
     best = float32(-np.inf)

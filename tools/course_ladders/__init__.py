@@ -1,0 +1,1 @@
+"""The ladders of tools/course.py, one module per group of chapters (docs/course/)."""
