@@ -1,8 +1,9 @@
 """tools/course.py, the course's runner: every chapter's ladder runs and each version passes its check against
 reference/ (in the simulator at tiny shapes, as CI runs it; on the GPU profile at the same tiny shapes, since
-timing is the runner's job, not a test's); a version that computes the wrong thing is reported as failed, so a
-chapter's checks can fail."""
+timing is the runner's job, not a test's); the chapters are listed in the course's order, each with its page;
+a version that computes the wrong thing is reported as failed, so a chapter's checks can fail."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ if str(REPO) not in sys.path:  # tools/ (`python -m pytest` from the root has it
 
 from tools import course  # noqa: E402
 
+COURSE = REPO / "docs" / "course"
+
 
 @pytest.mark.parametrize("number", [c.number for c in course.CHAPTERS])
 def test_every_version_of_the_chapter_passes_its_check(number):
@@ -22,6 +25,17 @@ def test_every_version_of_the_chapter_passes_its_check(number):
     rows = [line for line in report.splitlines()
             if line.startswith("| ") and not line.startswith(("| version", "| ---"))]
     assert rows and all("| ok |" in row for row in rows), report
+
+
+def test_the_chapters_are_the_course_in_order_and_each_has_its_page():
+    assert [c.number for c in course.CHAPTERS] == list(range(1, 12))
+    index = (COURSE / "README.md").read_text()
+    linked = re.findall(r"\]\((\d\d-[a-z0-9-]+\.md)\)", index)
+    assert linked == [c.page for c in course.CHAPTERS]
+    for c in course.CHAPTERS:
+        page = (COURSE / c.page).read_text()
+        assert page.startswith(f"# {c.number}. "), c.page
+        assert f"python tools/course.py {c.number}" in page, f"{c.page} names the command that runs it"
 
 
 def test_a_wrong_version_is_reported_as_failed(monkeypatch):
