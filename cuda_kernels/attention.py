@@ -52,7 +52,7 @@ Versions:
   exactly the low (high) half of the V quad of dim n and keys 16 s + 4 t .. + 3. The K tile is stored with
   that permutation (key 16 s + 4 a + 2 b + c at shared row 16 s + 8 b + 2 a + c), so B fragment column g of S
   tile j reads shared row 8 j + g; V is transposed 4 x 4 (four keys by four dims) on its way into shared
-  memory. For Q K^T, quads of 4 dims feed k-slots in the permuted order of gemm_tc (matmul.py): slots 2t,
+  memory. For Q K^T, quads of 4 dims feed k-slots in the permuted order of gemm_tc (gemm_tc.py): slots 2t,
   2t + 1 hold dims 4t, 4t + 1 and slots 2t + 8, 2t + 9 dims 4t + 2, 4t + 3, the same for Q and K, so the
   dot product is unchanged.
 

@@ -80,7 +80,7 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
 
 
 def check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
-    """Validate rope_kv_write's arguments other than qkv (also those of matmul.gemv_rope, its fusion with the
+    """Validate rope_kv_write's arguments other than qkv (also those of gemv.gemv_rope, its fusion with the
     QKV projection); return (T, Hq, Hkv, d)."""
     if q_out.ndim != 3 or q_out.dtype.name != "float32":
         raise ValueError(f"q_out: expected (T, Hq, d) float32, got {tuple(q_out.shape)} {q_out.dtype}")
