@@ -327,6 +327,13 @@ class CUDARunner:
         with preparing():
             self._forward(self.inputs.views(shape), shape, max_q_len, mode, self.stream, chained=True)
 
+    def prepare_block_copy(self) -> None:
+        """Compile (or load) the copy-on-write kernel of parallel sampling (n > 1), running nothing (warm-up):
+        it launches outside the step, before the first step that writes into a shared block."""
+        with preparing():
+            for cache in (self.k_cache[0], self.v_cache[0]):
+                kv_cache.copy_blocks(cache, self._feature()["pairs"][:1], self.stream)
+
     def capture(self, batch: int, width: int, mode: SamplingMode) -> None:
         """Capture the decode graph of a (batch, width) bucket and mode now, if it is not yet: the graph is
         recorded from the launches alone (its kernels ready, see prepare); it reads its inputs when replayed."""

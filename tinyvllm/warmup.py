@@ -15,8 +15,10 @@ up to max_num_seqs, and the runner's graph buckets. The warm-up walks them:
    recorded from the launches alone, which is cheap once the kernels are ready. Without graphs (enforce_eager,
    the simulator) the same buckets' decode steps are prepared instead: their attention policies depend on
    the block-table width.
-Steps with penalties or logprobs get their kernels in step 1; their graphs are captured when first met
-(a capture takes milliseconds, not the seconds of a compile).
+Steps with penalties or logprobs get their kernels in step 1, and so does the copy-on-write kernel of
+parallel sampling (it launches before a step, outside it); their graphs are captured when first met (a capture
+takes milliseconds, not the seconds of a compile), and again after a step with more penalty entries than
+the step inputs hold has grown them (tinyvllm/step_inputs.py).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def warm_up(runner, progress: bool = True) -> dict:
     for shape, q_len, mode in steps:
         runner.prepare(shape, q_len, mode)
         bar.update()
+    runner.prepare_block_copy()
     for b, w, mode in graphs:
         runner.capture(b, w, mode)
         bar.update()
