@@ -29,6 +29,8 @@ def test_no_kernel_is_prepared_after_the_warm_up(tiny_model_dir):
               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)]
     llm.generate(prompts, params, use_tqdm=False)        # one batch: greedy, sampled and logprobs rows
     llm.generate(prompts[:1], params[0], use_tqdm=False)  # alone: batch 1
+    # prompt logprobs of 13 rows: the LM head over them 3 rows (max_num_seqs) at a time, the last chunk of 1
+    llm.generate(prompts[2:], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     # two completions of one prompt share its blocks and copy the partly filled one on first write
     llm.generate(prompts[1:2], SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)
