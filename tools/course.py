@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from cuda_kernels.compat import SIMULATOR  # noqa: E402  (also the numpy shim, before numba.cuda)
 from numba import cuda  # noqa: E402
 
-from tools.course_ladders import attention, engine, matmul, rows, sampling  # noqa: E402
+from tools.course_ladders import attention, engine, launches, matmul, rows, sampling  # noqa: E402
 from tools.course_ladders.common import run_steps, table  # noqa: E402
 
 
@@ -54,6 +54,8 @@ CHAPTERS = [
             engine.batching_steps),
     Chapter(11, "Paged KV management: block tables, prefix caching, copy-on-write", "11-paged-kv.md",
             engine.paged_kv_steps),
+    Chapter(12, "Launch overhead: CUDA graphs and programmatic dependent launch", "12-launch-overhead.md",
+            launches.launch_steps),
 ]
 
 
@@ -87,6 +89,8 @@ def main() -> int:
     parser.add_argument("--size", choices=("auto", "real", "tiny"), default="auto",
                         help="shapes: the 1B model's (GPU only), the simulator's, or by the machine (default)")
     args = parser.parse_args()
+    if SIMULATOR:   # simulated threads are Python threads: switching more often makes barriers much cheaper
+        sys.setswitchinterval(5e-4)
     if args.list or args.chapter is None:
         for c in CHAPTERS:
             print(f"{c.number:2d}  {c.title}  (docs/course/{c.page})")
