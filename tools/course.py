@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from cuda_kernels.compat import SIMULATOR  # noqa: E402  (also the numpy shim, before numba.cuda)
 from numba import cuda  # noqa: E402
 
-from tools.course_ladders import attention, engine, launches, matmul, rows, sampling  # noqa: E402
+from tools.course_ladders import attention, engine, launches, matmul, rows, sampling, serving  # noqa: E402
 from tools.course_ladders.common import run_steps, table  # noqa: E402
 
 
@@ -56,6 +56,8 @@ CHAPTERS = [
             engine.paged_kv_steps),
     Chapter(12, "Launch overhead: CUDA graphs and programmatic dependent launch", "12-launch-overhead.md",
             launches.launch_steps),
+    Chapter(13, "Serving economics: latency, throughput and the cost of a million tokens", "13-serving-cost.md",
+            serving.cost_steps),
 ]
 
 
