@@ -9,13 +9,19 @@ reason the chapter explains. This runs them all at the chapter's shapes. Without
 NUMBA_ENABLE_CUDASIM=1, as CI runs) every version is checked against reference/ at tiny shapes; with one, at
 the Llama-3.2-1B shapes, each version is checked and then timed (a CUDA graph of 50 launches, weights cold in
 L2 for the matmuls) and set against its roofline, and the table is printed in the form the chapter's
-"Measured" section takes. Chapters about the engine (1, 2, 10, 11) run on the CPU backend with a tiny random
-model and report counts that do not depend on the machine. Exit status 1 if any version fails its check.
+"Measured" section takes, under a line naming the time and the git tree of the run. Chapters about the
+engine (1, 2, 10, 11) run on the CPU backend with a tiny random model and report counts that do not depend on
+the machine. Chapter 12 issues one step's 82 kernels eagerly, from a CUDA graph and from a graph with PDL, and
+times each way per step and per kernel (the simulator cannot capture graphs: there it checks the recorded
+launches eagerly). Chapter 13 measures nothing: it reads the committed benchmark results
+(tools/serving_cost.py, which takes any results file and price). Exit status 1 if any version fails its check.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from cuda_kernels.compat import SIMULATOR  # noqa: E402  (also the numpy shim, before numba.cuda)
 from numba import cuda  # noqa: E402
 
-from tools.course_ladders import attention, engine, matmul, rows, sampling  # noqa: E402
+from tools.course_ladders import attention, engine, launches, matmul, rows, sampling, serving  # noqa: E402
 from tools.course_ladders.common import run_steps, table  # noqa: E402
 
 
@@ -54,6 +60,10 @@ CHAPTERS = [
             engine.batching_steps),
     Chapter(11, "Paged KV management: block tables, prefix caching, copy-on-write", "11-paged-kv.md",
             engine.paged_kv_steps),
+    Chapter(12, "Launch overhead: CUDA graphs and programmatic dependent launch", "12-launch-overhead.md",
+            launches.launch_steps),
+    Chapter(13, "Serving economics: latency, throughput and the cost of a million tokens", "13-serving-cost.md",
+            serving.cost_steps),
 ]
 
 
@@ -71,8 +81,23 @@ def run(number: int, size: str = "auto") -> tuple[str, bool]:
     rows, copy_gbs = run_steps(chapter.steps(real), timed=not SIMULATOR)
     where = "simulator, tiny shapes: checked, not timed" if SIMULATOR else (
         f"{_device_name()}, {'Llama-3.2-1B' if real else 'tiny'} shapes")
-    report = f"## {chapter.number}. {chapter.title} ({where})\n\n{table(rows, copy_gbs)}\n"
+    report = f"## {chapter.number}. {chapter.title} ({where})\n\n{_provenance(number, size)}\n\n{table(rows, copy_gbs)}\n"
     return report, all(r.check == "ok" for r in rows)
+
+
+def _provenance(number: int, size: str) -> str:
+    """When and on which tree this ran, for the chapter's source column."""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        tree = (commit + ("-dirty" if dirty else "")) or "unknown (not a git checkout)"
+    except (OSError, subprocess.SubprocessError):
+        tree = "unknown (no git)"
+    command = f"python tools/course.py {number}" + ("" if size == "auto" else f" --size {size}")
+    return f"Run {when}, tree {tree}: `{command}`"
 
 
 def _device_name() -> str:
@@ -87,6 +112,8 @@ def main() -> int:
     parser.add_argument("--size", choices=("auto", "real", "tiny"), default="auto",
                         help="shapes: the 1B model's (GPU only), the simulator's, or by the machine (default)")
     args = parser.parse_args()
+    if SIMULATOR:   # simulated threads are Python threads: switching more often makes barriers much cheaper
+        sys.setswitchinterval(5e-4)
     if args.list or args.chapter is None:
         for c in CHAPTERS:
             print(f"{c.number:2d}  {c.title}  (docs/course/{c.page})")

@@ -3,8 +3,8 @@
 A chapter is a ladder: versions of one operation, simplest first. A kernel version is a Step around a Case
 (tools/kernel_benchmarks/common.py): `check` compares the kernel with reference/ (raises on a mismatch) and
 `launch` runs it once on a stream. In Numba's simulator (no GPU) a Step is only checked, at tiny shapes; on a
-GPU it is checked and then timed (checked_time: a CUDA graph of 50 launches between events), and its time is
-set against its roofline:
+GPU it is checked and then timed (checked_time: a CUDA graph of 50 launches between events; or the Step's own
+timer, where a graph would hide what is measured), and its time is set against its roofline:
 
 - bandwidth-bound (decode): bytes_moved / the device-to-device copy rate measured in the same run;
 - compute-bound (prefill): flops / Step.peak_tflops: the mma.sync peak measured on the H200 for tensor-core
@@ -34,6 +34,10 @@ class Step:
     case: Case
     peak_tflops: float = 0.0      # compute-bound: its ceiling (MMA_PEAK_TFLOPS, a third of it for bf16x3,
                                   # FMA_PEAK_TFLOPS on CUDA cores); 0: bandwidth-bound (case.bytes_moved)
+    timer: Callable[[], float] | None = None   # seconds per run, timed its own way (chapter 12: eager
+                                               # launches cannot be timed inside a graph); None: a graph of
+                                               # 50 case.launch calls (time_launch)
+    launches: int = 0             # kernels per run, when a run is a sequence of them: also time per kernel
 
 
 @dataclass
@@ -81,15 +85,29 @@ def _kernel_row(step: Step, timed: bool, copy_gbs: float | None) -> Row:
             return Row(step.version, step.idea, "ok")
         except Exception as exc:
             return Row(step.version, step.idea, _failure(exc))
-    seconds = checked_time(case)
+    seconds = checked_time(case) if step.timer is None else _checked_timer(step)
     if isinstance(seconds, str):
         return Row(step.version, step.idea, seconds)
+    if step.launches:
+        return Row(step.version, step.idea, "ok", seconds=seconds,
+                   achieved=f"{seconds / step.launches * 1e6:,.2f} us a kernel, "
+                            f"{case.bytes_moved / seconds / 1e9:,.0f} GB/s",
+                   roofline_seconds=case.bytes_moved / (copy_gbs * 1e9))
     if step.peak_tflops:
         return Row(step.version, step.idea, "ok", seconds=seconds,
                    achieved=f"{case.flops / seconds / 1e12:,.1f} TFLOP/s",
                    roofline_seconds=case.flops / (step.peak_tflops * 1e12))
     return Row(step.version, step.idea, "ok", seconds=seconds, achieved=f"{case.bytes_moved / seconds / 1e9:,.0f} GB/s",
                roofline_seconds=case.bytes_moved / (copy_gbs * 1e9))
+
+
+def _checked_timer(step: Step) -> float | str:
+    """step.timer's seconds once the check has passed, or the failure (as checked_time)."""
+    try:
+        step.case.check()
+        return step.timer()
+    except Exception as exc:
+        return _failure(exc)
 
 
 def _failure(exc: Exception) -> str:
