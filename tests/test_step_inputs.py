@@ -94,8 +94,19 @@ def test_buckets():
     assert batch_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
     assert batch_buckets(40) == (1, 2, 4, 8, 16, 32, 40) and batch_buckets(1) == (1,)
     assert batch_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 300)
-    assert width_buckets(8192) == (16, 64, 256, 1024, 4096, 8192)
-    assert width_buckets(100) == (16, 64, 100) and width_buckets(5) == (5,)
+    assert width_buckets(8192) == (16, 32, 64, 256, 1024, 4096, 8192)
+    assert width_buckets(100) == (16, 32, 64, 100) and width_buckets(5) == (5,) and width_buckets(20) == (16, 20)
+
+
+def test_short_contexts_decode_in_one_pass():
+    """A context of up to 512 tokens (16-token blocks) lands in a bucket whose decode attention takes one pass
+    (no split-K partitions, no reduce kernel) at the batches the decode-step goals measure (Llama-3.2-1B heads)."""
+    from cuda_kernels import paged_attention as pa
+
+    for tokens in (129, 272, 511):
+        width = next(w for w in width_buckets(8192) if w >= -(-(tokens + 1) // 16))
+        for batch, warps in ((1, 8), (16, 8), (64, 4)):   # the GPU's warps policy (the simulator's uses fewer)
+            assert pa.decode_partitions(batch, 32, 8, width, warps)[0] == 1, (tokens, batch, width)
 
 
 def test_entries_grow_and_are_copied_after_the_shape():

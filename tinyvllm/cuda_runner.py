@@ -438,9 +438,13 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def width_buckets(max_width: int) -> tuple[int, ...]:
-    """Block-table widths graphs are captured for: 16 blocks, then x4 (64, 256, ...), up to max_width. Coarse
-    for the same reason as batch_buckets; a wider table than needed only copies unused columns."""
-    sizes, w = [], 16
+    """Block-table widths graphs are captured for: 16, 32 and 64 blocks, then x4 (256, 1024, ...), up to
+    max_width. Coarse for the same reason as batch_buckets.
+    NOTE: the width is the shape decode attention's policy sees (paged_attention.decode_partitions): a table
+    padded from 17 to 64 blocks would split a 272-token context into 4 partitions (three of them near empty)
+    and add the reduce kernel, where 32 blocks take one pass. Hence the x2 steps while contexts are short."""
+    sizes = [w for w in (16, 32) if w < max_width]
+    w = 64
     while w < max_width:
         sizes.append(w)
         w *= 4
