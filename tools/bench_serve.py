@@ -152,8 +152,9 @@ async def run(args) -> dict:
                 return await one_request(http, f"{base}/v1/completions", body)
 
         warmup_s = 0.0
-        if args.warmup:  # short requests, untimed, all at once
-            warm = [request_body(model, prompt, 16, args.server) for prompt, _ in requests[:args.warmup]]
+        if args.warmup:  # short requests, untimed, all at once; prompts of their own (none cached for the run)
+            warm = [request_body(model, prompt, 16, args.server)
+                    for prompt in make_prompts(args.warmup, args.input_words, args.seed + 1)]
             start = time.perf_counter()
             failed = [r.error for r in await asyncio.gather(*(gated(b) for b in warm)) if not r.ok]
             warmup_s = time.perf_counter() - start
@@ -214,7 +215,8 @@ def report(s: dict) -> str:
         cells = "".join(f"{p[k]:>10.2f}" if p[k] is not None else f"{'-':>10}" for k in ("mean", "p50", "p90", "p99"))
         lines.append(f"{name.upper():<6}{cells}")
     if s.get("client_cpu_s") is not None:
-        lines.append(f"client CPU {s['client_cpu_s']:.2f} s in {s['duration_s']:.2f} s (near 1:1, the client was the bottleneck)")
+        lines.append(f"client CPU {s['client_cpu_s']:.2f} s in {s['duration_s']:.2f} s "
+                     "(near 1:1 would mean the client, not the server, was the bottleneck)")
     if s["failed"]:
         lines.append(f"{s['failed']} failed, e.g.: " + "; ".join(s["errors"]))
     return "\n".join(lines)

@@ -19,8 +19,11 @@ in a thread of this process) for the runs.
 
 transformers: `transformers serve DIR --continuous-batching` in a subprocess (its paged continuous batching; the
 default, one `generate` per request in turn, is no server), offline (HF_HUB_OFFLINE), on --device; bench_serve's
---server transformers dialect (text prompts, EOS off through generation_config) and 8 untimed warm-up requests
-before its first run. Skipped, with the reason written down, where transformers or its serving extras are missing.
+--server transformers dialect (text prompts, EOS off through generation_config).
+
+Each server gets 8 short untimed requests before its first run, and the offline engine 8 before its first
+LLM.generate (tinyvllm's engine has compiled its kernels and captured its graphs when it is built; transformers
+serve sets up its continuous batching on its first request). Skipped, with the reason written down, where transformers or its serving extras are missing.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ if str(REPO) not in sys.path:  # run as a script: tools.bench, tinyvllm from the
     sys.path.insert(0, str(REPO))
 
 SATURATION = float("inf")
+WARMUP = 8   # short requests (16 new tokens), untimed, before the first timed run of each server and offline
 
 
 def log(message: str) -> None:
@@ -151,6 +155,11 @@ def run_tinyvllm(args) -> int:
                    matmul_precision=getattr(runner, "matmul_precision", None))
     log(f"engine ({runner.name}) ready in {results['engine_ready_s']:.1f} s")
     save(args, "tinyvllm", results)
+    # untimed, as each server gets before its first run (bench_serve --warmup): a few short requests
+    from tools.bench_serve import make_prompts
+
+    llm.generate(make_prompts(WARMUP, 64, args.seed + 1), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)
     for n in sorted({n for rate, n in args.runs if rate == SATURATION}, reverse=True):
         requests = workload(args, n)
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in requests]
@@ -166,9 +175,10 @@ def run_tinyvllm(args) -> int:
         save(args, "tinyvllm", results)
     url, server, thread = serve_in_thread(build_app(llm.engine, "tinyvllm"))
     try:
-        for rate, n in args.runs:
+        for i, (rate, n) in enumerate(args.runs):
             cpu = time.process_time()
-            summary = client(args, url, rate, n, f"tinyvllm_{n}_at_{rate:g}")
+            warm = ["--warmup", str(WARMUP)] if i == 0 else []
+            summary = client(args, url, rate, n, f"tinyvllm_{n}_at_{rate:g}", warm)
             # the server's process: the engine's thread and uvicorn's event loop, sharing one interpreter
             summary["server_cpu_s"] = time.process_time() - cpu
             results["runs"].append(summary)
@@ -237,7 +247,7 @@ def run_transformers(args) -> int:
             log(f"transformers serve ready in {results['ready_s']:.1f} s")
             extra = ["--server", "transformers", "--tokenizer", str(args.model), "--model", str(args.model)]
             for i, (rate, n) in enumerate(args.runs):
-                warm = ["--warmup", "8"] if i == 0 else []
+                warm = ["--warmup", str(WARMUP)] if i == 0 else []
                 summary = client(args, url, rate, n, f"transformers_{n}_at_{rate:g}", extra + warm)
                 results["runs"].append(summary)
                 if "error" in summary:
