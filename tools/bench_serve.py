@@ -186,7 +186,8 @@ def summarize(results: list[Result], duration: float, model: str, args) -> dict:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
-        "model": model, "server": args.server, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "model": model, "server": args.server, "num_prompts": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "warmup": args.warmup,
         "dataset": args.dataset,

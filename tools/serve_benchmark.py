@@ -18,12 +18,13 @@ requests (the offline output tokens/s), then the same engine, warm, served by `t
 in a thread of this process) for the runs.
 
 transformers: `transformers serve DIR --continuous-batching` in a subprocess (its paged continuous batching; the
-default, one `generate` per request in turn, is no server), offline (HF_HUB_OFFLINE), on --device; bench_serve's
+default runs one `generate` per request in turn), offline (HF_HUB_OFFLINE), on --device; bench_serve's
 --server transformers dialect (text prompts, EOS off through generation_config).
 
 Each server gets 8 short untimed requests before its first run, and the offline engine 8 before its first
 LLM.generate (tinyvllm's engine has compiled its kernels and captured its graphs when it is built; transformers
-serve sets up its continuous batching on its first request). Skipped, with the reason written down, where transformers or its serving extras are missing.
+serve sets up its continuous batching on its first request). transformers serve is skipped, with the reason
+written down, where transformers or its serving extras are missing.
 """
 
 from __future__ import annotations
@@ -289,8 +290,8 @@ def table(out: Path) -> str:
     tiny = json.loads((out / "tinyvllm.json").read_text()) if (out / "tinyvllm.json").exists() else None
     hf = json.loads((out / "transformers.json").read_text()) if (out / "transformers.json").exists() else None
     lines = ["| server | requests | arrivals | completed | req/s | output tok/s | TTFT ms p50 / p90 / p99 "
-             "| TPOT ms p50 / p90 / p99 | ITL ms p50 / p90 / p99 | client CPU |", "| --- | ---: | --- | ---: | ---: | ---: "
-             "| ---: | ---: | ---: | ---: |"]
+             "| TPOT ms p50 / p90 / p99 | ITL ms p50 / p90 / p99 | client CPU |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     goals = []
     for name, res in (("tinyvllm serve", tiny), ("transformers serve", hf)):
         if res is None:
@@ -331,9 +332,9 @@ def table(out: Path) -> str:
     if hf and hf.get("ready_s") is not None:
         header.append(f"transformers serve --continuous-batching on {hf.get('device')}: healthy after "
                       f"{hf['ready_s']:.0f} s.")
-    notes = ["", "TTFT: request sent to first text; TPOT: (latency - TTFT) / (output tokens - 1) per request; ITL: gaps "
-             "between streamed chunks. Client CPU: the load generator's CPU seconds per second of the run (near 100%, "
-             "it was the bottleneck)."]
+    notes = ["", "TTFT: request sent to first text; TPOT: (latency - TTFT) / (output tokens - 1) per request; "
+             "ITL: gaps between streamed chunks. Client CPU: the load generator's CPU seconds per second of the run "
+             "(near 100%, it was the bottleneck)."]
     return "\n".join(header + [""] + lines + notes + [""] + goals) + "\n"
 
 
