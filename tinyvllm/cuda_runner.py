@@ -33,6 +33,7 @@ Prefill steps launch eagerly; `enforce_eager` turns graphs off (and the simulato
 from __future__ import annotations
 
 import sys
+import threading
 from functools import partial
 from typing import NamedTuple
 
@@ -153,6 +154,7 @@ class CUDARunner:
         self.tokens_out = [PinnedCopy(host, self.tokens, self.stream) for host in self.tokens_host]
         self.token_events = [cuda.event(), cuda.event()]
         self._slot = 0
+        self._thread = threading.get_ident()   # a thread in which the device's context is current
         # NOTE: the simulator cannot capture graphs; there every step launches eagerly.
         self.use_graphs = not enforce_eager and not SIMULATOR
         self.batch_buckets, self.width_buckets = batch_buckets(s), width_buckets(max_width)
@@ -177,6 +179,8 @@ class CUDARunner:
     def launch(self, scheduled: list[ScheduledSequence], chain_src=None):
         """Start one step on the GPU and return at once (a handle for collect()). chain_src: per new token,
         the row of the previous launched step's samples that is its id, -1 for the packed id."""
+        if self._thread != threading.get_ident():
+            self._enter_thread()
         batch, sampling = pack(scheduled, self.block_size)
         t, s, n = len(batch.token_ids), len(scheduled), len(batch.logits_indices)
         if t > self.max_tokens or s > self.max_seqs:
@@ -224,6 +228,15 @@ class CUDARunner:
                     copier.to_host(rows * host.nbytes // len(host))
         self.token_events[self._slot].record(self.stream)
         return n, self._slot, logprob_rows, m
+
+    def _enter_thread(self) -> None:
+        """Make the device's context current in the calling thread (the server steps the engine in a thread of
+        its own). NOTE: a step's copies and launches are direct driver calls (cuda_kernels/driver.py), which
+        fail in a thread with no current context (CUDA_ERROR_INVALID_CONTEXT); a Numba call makes Numba push
+        the primary context there, where it stays."""
+        if not SIMULATOR:
+            cuda.current_context()
+        self._thread = threading.get_ident()
 
     def collect(self, handle) -> list[int]:
         """Wait for a launched step; its sampled tokens, one per sampled row (tinyvllm/batch.py)."""

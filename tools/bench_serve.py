@@ -23,6 +23,15 @@ Reported: request throughput, output tokens/s, and p50 / p90 / p99 of
   client falls behind the server, so this is per chunk);
 - E2E, the whole request.
 Token counts are the server's own (stream_options.include_usage). Needs httpx (in tinyvllm's test extra).
+
+--server transformers speaks to `transformers serve` (Hugging Face's OpenAI-compatible server), which refuses
+vLLM's fields with a 422 and takes text prompts only: prompts given as token ids (the throughput dataset) are
+decoded to text with --tokenizer's tokenizer.json (so the server's own tokenization may count a few tokens
+differently: its usage is what is reported), EOS is switched off through its `generation_config` field
+(eos_token_id -1) instead of ignore_eos, and it always sends usage in its last chunk. --warmup N sends N short
+requests first, untimed (a server that compiles or allocates on its first requests pays for it there).
+tools/serve_benchmark.py runs this client against tinyvllm and transformers on the GPU, beside the offline
+LLM.generate on the same requests.
 """
 
 from __future__ import annotations
@@ -63,6 +72,29 @@ def make_prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
+def text_prompts(requests: list[tuple[str | list[int], int]], tokenizer_dir: str | None) -> list[tuple[str, int]]:
+    """The requests with token-id prompts decoded to text (for a server that takes text only)."""
+    if all(isinstance(prompt, str) for prompt, _ in requests):
+        return requests
+    if tokenizer_dir is None:
+        raise SystemExit("token-id prompts for a text-only server: give --tokenizer (a model directory)")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    return [(p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False), n) for p, n in requests]
+
+
+def request_body(model: str, prompt: str | list[int], output_len: int, server: str) -> dict:
+    """A streamed greedy completion of exactly output_len tokens, in the server's dialect."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True}
+    if server == "transformers":
+        # no ignore_eos or stream_options (refused); its generation_config replaces the model's (EOS -1: never)
+        body["generation_config"] = json.dumps({"eos_token_id": -1, "do_sample": False, "max_new_tokens": output_len})
+    else:
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
+    return body
+
+
 def make_requests(args) -> list[tuple[str | list[int], int]]:
     """(prompt, output length) pairs of the chosen dataset."""
     if args.dataset == "words":
@@ -85,8 +117,9 @@ async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> Result:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
-                if "error" in event:
-                    return Result(False, error=event["error"]["message"])
+                if "error" in event:  # OpenAI's {"message": ...}, or a bare string (transformers serve)
+                    error = event["error"]
+                    return Result(False, error=str(error.get("message", error) if isinstance(error, dict) else error))
                 if event.get("usage"):
                     usage = event["usage"]
                 # a chunk with text, or the last one (a random model's answer may decode to no text at all)
@@ -107,9 +140,10 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None), limits=limits) as http:
         model = args.model or (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
-        bodies = [{"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-                   "stream": True, "stream_options": {"include_usage": True}}
-                  for prompt, output_len in make_requests(args)]
+        requests = make_requests(args)
+        if args.server == "transformers":
+            requests = text_prompts(requests, args.tokenizer)
+        bodies = [request_body(model, prompt, output_len, args.server) for prompt, output_len in requests]
         gate = asyncio.Semaphore(args.max_concurrency)
         arrivals = np.random.default_rng(args.seed)
 
@@ -117,7 +151,17 @@ async def run(args) -> dict:
             async with gate:
                 return await one_request(http, f"{base}/v1/completions", body)
 
-        start = time.perf_counter()
+        warmup_s = 0.0
+        if args.warmup:  # short requests, untimed, all at once; prompts of their own (none cached for the run)
+            warm = [request_body(model, prompt, 16, args.server)
+                    for prompt in make_prompts(args.warmup, args.input_words, args.seed + 1)]
+            start = time.perf_counter()
+            failed = [r.error for r in await asyncio.gather(*(gated(b) for b in warm)) if not r.ok]
+            warmup_s = time.perf_counter() - start
+            if failed:
+                raise SystemExit(f"warm-up requests failed: {failed[0]}")
+
+        start, cpu = time.perf_counter(), time.process_time()
         tasks = []
         for body in bodies:
             tasks.append(asyncio.create_task(gated(body)))
@@ -125,7 +169,9 @@ async def run(args) -> dict:
                 await asyncio.sleep(arrivals.exponential(1.0 / args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, model, args)
+        # NOTE: near 1 per second of the run, this client (one Python thread) was the bottleneck, not the server
+        client_cpu_s = time.process_time() - cpu
+    return {**summarize(results, duration, model, args), "warmup_s": warmup_s, "client_cpu_s": client_cpu_s}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -140,9 +186,11 @@ def summarize(results: list[Result], duration: float, model: str, args) -> dict:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
-        "model": model, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "model": model, "server": args.server, "num_prompts": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "dataset": args.dataset,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "warmup": args.warmup,
+        "dataset": args.dataset,
         "dataset_options": ({"input_words": args.input_words, "output_len": args.output_len}
                             if args.dataset == "words" else
                             {"prompt_lens": args.prompt_lens, "output_lens": args.output_lens,
@@ -167,6 +215,9 @@ def report(s: dict) -> str:
         p = s[f"{name}_ms"]
         cells = "".join(f"{p[k]:>10.2f}" if p[k] is not None else f"{'-':>10}" for k in ("mean", "p50", "p90", "p99"))
         lines.append(f"{name.upper():<6}{cells}")
+    if s.get("client_cpu_s") is not None:
+        lines.append(f"client CPU {s['client_cpu_s']:.2f} s in {s['duration_s']:.2f} s "
+                     "(near 1:1 would mean the client, not the server, was the bottleneck)")
     if s["failed"]:
         lines.append(f"{s['failed']} failed, e.g.: " + "; ".join(s["errors"]))
     return "\n".join(lines)
@@ -192,11 +243,19 @@ def main(argv=None) -> int:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=64, help="most requests in flight (default 64)")
+    p.add_argument("--server", choices=("tinyvllm", "transformers"), default="tinyvllm",
+                   help="the server's dialect: tinyvllm (default; also vLLM's) or transformers (`transformers serve`)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="--server transformers: a model directory whose tokenizer.json decodes token-id prompts")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="send N short requests first, untimed (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_concurrency < 1 or args.output_len < 1 or args.request_rate <= 0:
         p.error("--num-prompts, --max-concurrency, --output-len and --request-rate must be positive")
+    if args.warmup < 0:
+        p.error("--warmup must be 0 or more")
     summary = asyncio.run(run(args))
     print(report(summary))
     if args.json:
