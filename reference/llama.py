@@ -29,6 +29,7 @@ from reference.bf16 import bf16_to_f32, round_to_bf16
 from reference.embedding import embedding
 from reference.kv_cache import allocate_kv_cache
 from reference.paged_attention import prefill_attention
+from reference.parallel import for_row_blocks
 from reference.rmsnorm import rmsnorm
 from reference.rope import rope_kv_write, rope_tables
 
@@ -103,15 +104,24 @@ class ReferenceLlama:
         c = self.config
         t = len(batch.token_ids)
         x = embedding(batch.token_ids, self.embed_tokens)
+        q = np.empty((t, c.num_heads, c.head_dim), np.float32)
         for i, layer in enumerate(self.layers):
-            h = rmsnorm(x, layer["input_norm"], c.rms_norm_eps)
-            q = rope_kv_write(self._linear(h, layer["qkv"]), batch.positions, self.cos, self.sin, kv.k[i], kv.v[i],
-                              batch.slot_mapping, c.num_heads)
+            # Everything but attention works on each token's row alone: it runs in blocks of rows, on every
+            # core for a long prompt (reference/parallel.py).
+            def attention_input(rows):
+                h = rmsnorm(x[rows], layer["input_norm"], c.rms_norm_eps)
+                q[rows] = rope_kv_write(self._linear(h, layer["qkv"]), batch.positions[rows], self.cos, self.sin,
+                                        kv.k[i], kv.v[i], batch.slot_mapping[rows], c.num_heads)
+
+            def attention_output_and_mlp(rows):
+                x[rows] += self._linear(attn[rows], layer["o"])
+                h = rmsnorm(x[rows], layer["post_norm"], c.rms_norm_eps)
+                x[rows] += self._linear(silu_and_mul(self._linear(h, layer["gate_up"])), layer["down"])
+
+            for_row_blocks(attention_input, t)
             attn = prefill_attention(q, kv.k[i], kv.v[i], batch.block_tables, batch.cu_seqlens_q,
-                                     batch.context_lens, self.scale)
-            x = x + self._linear(attn.reshape(t, c.q_size), layer["o"])
-            h = rmsnorm(x, layer["post_norm"], c.rms_norm_eps)
-            x = x + self._linear(silu_and_mul(self._linear(h, layer["gate_up"])), layer["down"])
+                                     batch.context_lens, self.scale).reshape(t, c.q_size)
+            for_row_blocks(attention_output_and_mlp, t)
         last = rmsnorm(x[batch.logits_indices], self.norm, c.rms_norm_eps)
         return self._linear(last, self.lm_head)
 

@@ -107,6 +107,23 @@ def test_a_mixed_batch_equals_each_sequence_alone(model):
         close(batched[s], full_logits(model, seqs[s])[-1])
 
 
+def test_row_blocks_and_attention_in_threads_change_nothing_but_summation_order(model, monkeypatch):
+    """A prompt long enough for the thread pool (forced here: two workers, blocks of about 5 rows,
+    attention tiles of 4 queries in threads): the same logits and cache as in one piece."""
+    tokens = np.random.default_rng(5).integers(0, 260, 30).tolist()
+    table = np.arange(-(-len(tokens) // BLOCK), dtype=np.int32)
+    kv_once = model.new_kv_cache(len(table), BLOCK)
+    at_once = model.forward(single_sequence_batch(tokens, 0, table, BLOCK), kv_once)
+    for name, value in [("parallel.WORKERS", 2), ("parallel.ROW_BLOCK", 5), ("paged_attention.WORKERS", 2),
+                        ("paged_attention.PARALLEL_SCORES", 0), ("paged_attention.QUERY_TILE", 4)]:
+        monkeypatch.setattr("reference." + name, value)
+    kv = model.new_kv_cache(len(table), BLOCK)
+    close(model.forward(single_sequence_batch(tokens, 0, table, BLOCK), kv), at_once)
+    for a, b in zip(kv.k + kv.v, kv_once.k + kv_once.v):       # one bf16 rounding apart at most
+        a, b = bf16_to_f32(a), bf16_to_f32(b)
+        np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=2 ** -7 * np.nanmax(np.abs(b)))
+
+
 def test_logits_are_varied_and_finite(model):
     logits = full_logits(model, [1, 2, 3, 4, 5])
     assert np.all(np.isfinite(logits))
