@@ -20,6 +20,7 @@ from functools import partial
 
 import numpy as np
 
+from reference.attention import attention
 from reference.bf16 import bf16_to_f32
 from reference.parallel import WORKERS, run_all
 
@@ -37,8 +38,8 @@ def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
 # A long chunk of queries is attended QUERY_TILE at a time: a tile reads only the keys up to its last
 # position (the later ones are masked for all of its rows), which skips half the work of a long prompt, and
 # its scores, Hq x QUERY_TILE x context floats, stay small (20 MB, not 685, for the default model's 9 heads
-# over 4,363 tokens). The tiles are independent: when there are at least PARALLEL_SCORES scores in all,
-# they are dealt out to every core (reference/parallel.py); below that, threads cost more than they save.
+# over 4,363 tokens). With at least PARALLEL_SCORES scores in all, the tiles are dealt out to every core
+# (reference/parallel.py); below that (decode steps, short prompts), threads would cost more than they save.
 QUERY_TILE = 128
 PARALLEL_SCORES = 1 << 20
 
@@ -47,66 +48,86 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
                       cu_seqlens_q: np.ndarray, context_lens: np.ndarray, scale: float) -> np.ndarray:
     """q (T, Hq, d) float32 for all sequences' new tokens -> (T, Hq, d) float32."""
     out = np.empty_like(q, dtype=np.float32)
-    # NOTE: the scale multiplies q, not the scores (a pass over the largest array less); for head_dim 64
-    # or 256 the scale is a power of two and the scores are the same bits.
-    q = np.asarray(q, np.float32) * np.float32(scale)
-    tiles = []
+    chunks = []                     # per sequence: (its rows of q, their positions, the sequence)
     for s in range(len(context_lens)):
         begin, end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
-        if begin == end:
-            continue
-        ctx = int(context_lens[s])
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], ctx)
-        # K^T of each KV head, contiguous: the products read it 10% faster than a strided view of k.
-        # NOTE: V gets a column of ones: its product with the softmax weights then also gives their sum.
-        kt = np.ascontiguousarray(k.transpose(1, 2, 0))                                   # (Hkv, d, ctx)
-        v1 = np.concatenate([v, np.ones((ctx, v.shape[1], 1), np.float32)], axis=2).transpose(1, 0, 2)
-        first = ctx - (end - begin)             # the position of the sequence's first query
-        for row in range(begin, end, QUERY_TILE):
-            rows = slice(row, min(row + QUERY_TILE, end))
-            positions = np.arange(rows.start, rows.stop) - begin + first
-            seen = positions[-1] + 1
-            tiles.append((rows, positions, kt[..., :seen], v1[:, :seen]))
-    num_scores = q.shape[1] * sum(len(positions) * kt.shape[2] for _, positions, kt, _ in tiles)
-    # Tiles dealt out in turn: their cost grows along a sequence, so each worker gets a similar share.
-    workers = WORKERS if num_scores >= PARALLEL_SCORES else 1
-    run_all([partial(_attend_tiles, q, out, tiles[w::workers]) for w in range(workers)])
+        if begin < end:
+            ctx = int(context_lens[s])
+            chunks.append((slice(begin, end), np.arange(ctx - (end - begin), ctx), s))
+    if q.shape[1] * sum(len(positions) * (positions[-1] + 1) for _, positions, _ in chunks) >= PARALLEL_SCORES:
+        kv = [gather_kv(k_cache, v_cache, block_tables[s], positions[-1] + 1) for _, positions, s in chunks]
+        _attend_in_threads(q, out, chunks, kv, scale)
+        return out
+    for rows, positions, s in chunks:
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], positions[-1] + 1)
+        for tile, tile_positions in _query_tiles(rows, positions):
+            seen = tile_positions[-1] + 1
+            out[tile] = attention(q[tile], k[:seen], v[:seen], tile_positions, scale)
     return out
 
 
-def _attend_tiles(q: np.ndarray, out: np.ndarray, tiles: list) -> None:
-    """_attend_tile for each tile, all writing their scores into one buffer allocated here."""
-    if not tiles:
+def _query_tiles(rows: slice, positions: np.ndarray):
+    """(rows, positions) of each tile of QUERY_TILE queries of a chunk."""
+    for start in range(0, len(positions), QUERY_TILE):
+        stop = min(start + QUERY_TILE, len(positions))
+        yield slice(rows.start + start, rows.start + stop), positions[start:stop]
+
+
+def _attend_in_threads(q: np.ndarray, out: np.ndarray, chunks: list, kv: list, scale: float) -> None:
+    """prefill_attention's tiles, each KV head of each a piece of work, dealt out to the worker threads in
+    turn (a tile's cost grows along its sequence, so each worker gets a similar share); kv: each chunk's
+    sequence's K and V. The same math as `attention`, with fewer passes over the scores, the largest
+    array of a long prefill (see the NOTEs)."""
+    # NOTE: the scale multiplies q, not the scores; for head_dim 64 or 256 it is a power of two and the
+    # scores are the same bits.
+    q = np.asarray(q, np.float32) * np.float32(scale)
+    pieces = []
+    for (rows, positions, _), (k, v) in zip(chunks, kv):
+        group = q.shape[1] // k.shape[1]
+        # K^T of each KV head, contiguous: the products read it 10% faster than a strided view of K.
+        # NOTE: V gets a column of ones: its product with the softmax weights then also gives their sum.
+        kt = np.ascontiguousarray(k.transpose(1, 2, 0))                                          # (Hkv, d, ctx)
+        v1 = np.concatenate([v, np.ones((*v.shape[:2], 1), np.float32)], axis=2).transpose(1, 0, 2)
+        for tile, tile_positions in _query_tiles(rows, positions):
+            seen = tile_positions[-1] + 1
+            for h in range(len(kt)):        # per KV head: the G query heads that share it, together
+                heads = slice(h * group, (h + 1) * group)
+                pieces.append((tile, tile_positions, heads, kt[h, :, :seen], v1[h, :seen]))
+    run_all([partial(_attend_pieces, q, out, pieces[w::WORKERS]) for w in range(WORKERS)])
+
+
+def _attend_pieces(q: np.ndarray, out: np.ndarray, pieces: list) -> None:
+    """_attend_piece for each piece, all writing their scores into one buffer allocated here."""
+    if not pieces:
         return
-    # NOTE: a fresh array per tile would cost as much as its exp(): each is larger than the last, so the
+    # NOTE: a fresh array per piece would cost as much as its exp(): each is larger than the last, so the
     # allocator maps new pages, and the kernel zeroes them, every time.
-    scratch = np.empty(q.shape[1] * max(len(positions) * kt.shape[2] for _, positions, kt, _ in tiles), np.float32)
-    for tile in tiles:
-        _attend_tile(q, out, *tile, scratch)
+    size = max((heads.stop - heads.start) * len(positions) * kt.shape[1] for _, positions, heads, kt, _ in pieces)
+    scratch = np.empty(size, np.float32)
+    for piece in pieces:
+        _attend_piece(q, out, *piece, scratch)
 
 
-def _attend_tile(q: np.ndarray, out: np.ndarray, rows: slice, positions: np.ndarray, kt: np.ndarray,
-                 v1: np.ndarray, scratch: np.ndarray) -> None:
-    """out[rows] = attention of the (already scaled) queries q[rows] at `positions` (n consecutive ones) over
-    keys kt (Hkv, d, seen) and values-with-a-ones-column v1 (Hkv, seen, d + 1), `seen` = positions[-1] + 1;
-    the scores go to scratch (at least Hq * n * seen floats)."""
-    n, hq, d = q[rows].shape
-    hkv, seen = kt.shape[0], kt.shape[2]
-    group = hq // hkv
-    # The G query heads that share a KV head are stacked into one (G * n, d) matrix: one product per KV head.
-    qg = q[rows].reshape(n, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * n, d)
-    scores = np.matmul(qg, kt, out=scratch[:hq * n * seen].reshape(hkv, group * n, seen))
+def _attend_piece(q: np.ndarray, out: np.ndarray, rows: slice, positions: np.ndarray, heads: slice,
+                  kt: np.ndarray, v1: np.ndarray, scratch: np.ndarray) -> None:
+    """out[rows, heads] = attention of the (already scaled) queries q[rows, heads] at `positions` (n
+    consecutive ones) over the keys kt (d, seen) and values-with-a-ones-column v1 (seen, d + 1) of the KV
+    head those G query heads share, `seen` = positions[-1] + 1; the scores go to scratch."""
+    n, group, d = q[rows, heads].shape
+    seen = kt.shape[1]
+    # The G query heads are stacked into one (G * n, d) matrix: one product for the KV head.
+    scores = np.matmul(q[rows, heads].transpose(1, 0, 2).reshape(group * n, d), kt,
+                       out=scratch[:group * n * seen].reshape(group * n, seen))
     first = positions[0]                  # keys before the first query are visible to every query
     hidden = np.arange(first, seen)[None, :] > positions[:, None]                # (n, seen - first)
-    np.copyto(scores.reshape(hkv, group, n, seen)[..., first:], np.float32(-np.inf), where=hidden)
+    np.copyto(scores.reshape(group, n, seen)[..., first:], np.float32(-np.inf), where=hidden)
     # NOTE: subtracting the row maximum keeps exp() in range; every query sees at least key 0, so the
     # maximum is finite. In place: the scores are a prefill's largest array. The weights are normalised
     # after the product with V, as the kernels do.
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    weighted = scores @ v1                                                        # (Hkv, G * n, d + 1)
-    result = weighted[..., :d] / weighted[..., d:]
-    out[rows] = result.reshape(hkv, group, n, d).transpose(2, 0, 1, 3).reshape(n, hq, d)
+    weighted = scores @ v1                                                        # (G * n, d + 1)
+    out[rows, heads] = (weighted[:, :d] / weighted[:, d:]).reshape(group, n, d).transpose(1, 0, 2)
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
