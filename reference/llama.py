@@ -13,7 +13,8 @@ Per layer, for the T new tokens of the batch (x: the fp32 residual stream, (T, H
 
 and logits = rmsnorm(x) @ Wlm^T for the rows in `logits_indices` only (the last token of each sequence).
 Weights are widened from bf16 to fp32 once, at construction, and fused (QKV, gate/up) so each projection is
-a single NumPy matmul for the whole batch. With matmul_precision "bf16" the input of every projection (the
+a single NumPy matmul per block of rows (a long prompt's blocks run on every core: reference/parallel.py;
+a decode step's rows are one block). With matmul_precision "bf16" the input of every projection (the
 five matmuls above, the LM head included) is rounded to bf16 first, as the GPU's bf16-input kernels do
 (reference/matmul.py); everything else stays fp32.
 """
