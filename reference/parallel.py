@@ -4,8 +4,9 @@ NumPy releases the GIL inside its loops and BLAS calls, so Python threads that e
 slice of the data (attention's query tiles, row blocks of the MLP) keep every core busy, the elementwise
 passes (exp, max, SiLU) included, which a multi-threaded BLAS alone leaves on one core. While the pieces
 run, each BLAS call is held to one thread (threadpoolctl): a BLAS that also spread every small product
-over all cores would have its threads wait on ours, and on each other on a busy machine. Each piece
-computes exactly what it computes alone, so the results do not depend on how many threads there are.
+over all cores would have its threads wait on ours, and on each other on a busy machine. Attention's
+pieces do not depend on the number of threads, so neither do its results; row blocks change only the
+order of fp32 sums, as any other batch shape does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _blas: ThreadpoolController | None = None
 def run_all(tasks: list[Callable[[], None]]) -> None:
     """Run every task (a function of no arguments, called for its effect) and return when all are done;
     in WORKERS threads, with single-threaded BLAS, when there are several. An exception in a task is
-    raised here."""
+    raised here. Not reentrant: a task must not call run_all."""
     global _pool, _blas
     if WORKERS == 1 or len(tasks) < 2:
         for task in tasks:
@@ -47,9 +48,9 @@ ROW_BLOCK = 1024
 
 
 def for_row_blocks(function: Callable[[slice], None], num_rows: int) -> None:
-    """function(rows) for consecutive slices of rows that cover range(num_rows): one call, in this thread,
-    for fewer than ROW_BLOCK rows (a decode step); else about ROW_BLOCK rows a slice, as many slices for
-    each worker thread."""
+    """function(rows) for consecutive slices of rows that cover range(num_rows): about ROW_BLOCK rows a
+    slice, as many slices for each worker thread; one call, in this thread, for fewer than
+    WORKERS * ROW_BLOCK / 2 rows (a decode step, a short prompt)."""
     pieces = max(1, WORKERS * round(num_rows / (WORKERS * ROW_BLOCK)))
     bounds = [num_rows * i // pieces for i in range(pieces + 1)]
     run_all([partial(function, slice(start, stop)) for start, stop in zip(bounds, bounds[1:])])
