@@ -19,7 +19,7 @@ def test_a_perturbed_weight_is_located_at_its_layer_and_operation(tiny_model_dir
         return results["rows"]
 
     monkeypatch.setattr(compare_layers, "compare", keeping)
-    assert compare_layers.main(["--model", str(tiny_model_dir), "--prompt-tokens", "9", "3", "1",
+    assert compare_layers.main(["--model", str(tiny_model_dir), "--prompt-tokens", "6", "2",
                                 "--block-size", "4", "--perturb", "1.o"]) == 0
     out = capsys.readouterr().out
     rows = results["rows"]
