@@ -183,7 +183,7 @@ def one_layer_weights(config) -> dict[str, np.ndarray]:
     return {name: np.zeros(shape, np.uint16) for name, shape in expected_shapes(config).items()}
 
 
-def run_steps(block_size: int, matmul_precision: str) -> None:
+def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf16") -> None:
     from tinyvllm.config import ModelConfig
     from tinyvllm.cuda_runner import CUDARunner
     from tinyvllm.random_model import PRESETS
@@ -194,7 +194,7 @@ def run_steps(block_size: int, matmul_precision: str) -> None:
     config = ModelConfig.from_dict({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 1,
                                     "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     runner = CUDARunner(config, one_layer_weights(config), block_size, 256, 8192, num_blocks=4096,
-                        enforce_eager=True, matmul_precision=matmul_precision)
+                        enforce_eager=True, matmul_precision=matmul_precision, kv_cache_dtype=kv_cache_dtype)
 
     def scheduled(length, new_tokens, temperature):
         seq = Sequence("x", list(range(length)), SamplingParams(temperature=temperature, top_k=5), 0)
@@ -255,7 +255,8 @@ def main() -> int:
     parser.add_argument("--attention-warps", action="store_true",
                         help="check the fast decode attention's largest warp count against the register file")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["bf16"], choices=("bf16", "fp32", "fp8"),
-                        help="--attention-warps: the KV formats whose kernels to check (default bf16)")
+                        help="the KV formats of the runner's steps, or with --attention-warps those whose kernels "
+                             "to check (default bf16)")
     parser.add_argument("--gemv", nargs="+", default=[], metavar="N,K=CONFIG",
                         help="gemv configurations for these weight shapes instead of gemv_config's")
     parser.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="bf16",
@@ -267,8 +268,9 @@ def main() -> int:
         return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size, args.kv_cache_dtype) else 0
     from tools.profile_step import gemv_override, with_gemv_configs
 
-    with_gemv_configs(lambda: run_steps(args.block_size, args.matmul_precision),
-                      dict(gemv_override(t) for t in args.gemv))
+    for fmt in args.kv_cache_dtype:
+        with_gemv_configs(lambda: run_steps(args.block_size, args.matmul_precision, fmt),
+                          dict(gemv_override(t) for t in args.gemv))
     print("| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     failed, seen = 0, set()
