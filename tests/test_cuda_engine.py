@@ -295,8 +295,13 @@ def test_fp8_kv_cache_on_the_1b_shapes(llama_1b, gpu_llm):
     eager = LLM(llama_1b, backend="cuda", enforce_eager=True, num_kv_blocks=512, matmul_precision="fp32",
                 kv_cache_dtype="fp8")
     assert llm.engine.runner.use_graphs
-    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == tokens(eager.generate(prompts, params,
-                                                                                         use_tqdm=False))
+    from cuda_kernels import launch
+    from tinyvllm import cuda_graph
+
+    ready = launch.prepared(), cuda_graph.captures()   # the fp8 engines warmed up in their constructors
+    got = tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert (launch.prepared(), cuda_graph.captures()) == ready     # the warm-up met the fp8 kernels
+    assert got == tokens(eager.generate(prompts, params, use_tqdm=False))
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
