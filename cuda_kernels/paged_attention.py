@@ -139,6 +139,12 @@ SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
 # 64,512 of the 65,536 (head_dim 40, groups 7 and 8, 8 lanes: 168 x 384, with the walk's two chunks of
 # registers; 161 x 384 before): tools/offline_compile.py --attention-warps checks every configuration offline.
 MAX_FAST_WARPS = 12
+# NOTE: per KV format (ptxas of CUDA 13.5, tools/offline_compile.py --attention-warps --kv-cache-dtype): every
+# fp8 configuration fits (57,856 at most: head_dim 40, group 7, 4 lanes, 8 warps: 226 x 256), but with an fp32
+# cache head_dim 128, one query head per block and 4 lanes per key take 221 registers, and the 11 warps its
+# shared memory allows would need 77,792. fp32 is capped at 8 warps (255 x 256 always fits); the policy never
+# asks for more than 8 anyway.
+FAST_WARPS_BY_FORMAT = {"bf16": MAX_FAST_WARPS, "fp8": MAX_FAST_WARPS, "fp32": 8}
 SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
@@ -859,8 +865,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
         return
     if warps is None:
         warps = policy_warps
-    elif not 1 <= warps <= fast_warps(d, group, lanes, most=MAX_FAST_WARPS):
-        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=MAX_FAST_WARPS)} for head_dim {d}, "
+    elif not 1 <= warps <= fast_warps(d, group, lanes, most=FAST_WARPS_BY_FORMAT[fmt]):
+        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=FAST_WARPS_BY_FORMAT[fmt])} for "
+                         f"head_dim {d}, "
                          f"group {group}, {lanes} lanes per key; got {warps!r}")
     direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps, fmt)
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))

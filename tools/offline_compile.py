@@ -235,7 +235,7 @@ def attention_warps(ptxas: Path, block_size: int, kv_formats=("bf16",)) -> int:
         for d in (8, 40, 64, 128):
             for group in (1, 2, 3, 4, 5, 7, 8):
                 for lanes in (4, 8):
-                    warps = pa.fast_warps(d, group, lanes, most=pa.MAX_FAST_WARPS)
+                    warps = pa.fast_warps(d, group, lanes, most=pa.FAST_WARPS_BY_FORMAT[fmt])
                     kernels = pa._gqa_kernels(d, block_size, 8, group, lanes, warps, fmt)
                     for name, kernel, sig in zip(("direct", "split"), kernels, (direct_sig, split_sig)):
                         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)

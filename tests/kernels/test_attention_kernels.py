@@ -230,7 +230,8 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind, fmt)
     hkv, group = hg
     if warps is not None:
-        most = paged_attention.fast_warps(d, group, lanes, most=pick(4, paged_attention.MAX_FAST_WARPS))
+        most = paged_attention.fast_warps(d, group, lanes,
+                                          most=pick(4, paged_attention.FAST_WARPS_BY_FORMAT[fmt[0]]))
         warps = most if warps == "most" else min(warps, most)
     scale = 1 / np.sqrt(d)
     s, hq = q.shape[:2]
@@ -703,6 +704,9 @@ def test_kv_formats_the_simple_kernels_refuse():
     with pytest.raises(ValueError, match="prefill_attention_tc reads bf16 and fp8 caches, got fp32"):
         attention.prefill_attention_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
                                                        v_cache=np.zeros((3, 4, 2, 16), np.float32)))
+    fp32 = dict(k_cache=np.zeros((3, 4, 2, 16), np.float32), v_cache=np.zeros((3, 4, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="warps must be 1 to 8 "):   # the fp32 kernels' register bound
+        paged_attention.paged_attention(**_decode_args(**fp32), warps=9)
     with pytest.raises(ValueError, match="a bf16 cache takes 1.0"):
         paged_attention.paged_attention(**_decode_args(), k_scale=0.5)
     with pytest.raises(ValueError, match="positive and finite"):

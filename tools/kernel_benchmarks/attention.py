@@ -141,7 +141,8 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
     split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
     name = "PagedAttention decode" + ("" if kv_cache_dtype == "bf16" else f" ({kv_cache_dtype} KV cache)")
     return Case("attention", name, launch, check, bytes_moved=2 * batch * context * hkv * d * itemsize,
-                shape=f"batch {batch} x context {context}, {hq}/{hkv} heads, d {d}, block {block}, {kv_cache_dtype}",
+                shape=f"batch {batch} x context {context}, {hq}/{hkv} heads, d {d}, block {block}"
+                + ("" if kv_cache_dtype == "bf16" else f", {kv_cache_dtype}"),
                 config=f"paged_attention: {lanes} lanes/key, {warps} warps, {split}")
 
 
