@@ -193,7 +193,7 @@ def test_kv_cache_dtype_sizes_the_cache_and_refuses_unknown_formats(tiny_model_d
     "fp8_e4m3" are accepted; anything else is refused with an error naming the option."""
     for fmt, dtype in (("bf16", np.uint16), ("fp32", np.float32), ("fp8", np.uint8), ("auto", np.uint16),
                        ("fp8_e4m3", np.uint8)):
-        runner = LLM(tiny_model_dir, backend="cuda", num_kv_blocks=4, kv_cache_dtype=fmt).engine.runner
+        runner = LLM(tiny_model_dir, backend="cuda", num_kv_blocks=4, kv_cache_dtype=fmt, warmup=False).engine.runner
         assert runner.k_cache[0].dtype == runner.v_cache[0].dtype == dtype
     for backend in ("cpu", "cuda"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp16'"):
