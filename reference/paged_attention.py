@@ -2,7 +2,8 @@
 
 Sequence s owns the blocks block_tables[s, 0 .. ceil(context_lens[s] / block_size) - 1], in order: token j
 of its context lives in block block_tables[s, j // block_size] at offset j % block_size. Slots past the
-context are never read (tests fill them with NaN to prove it).
+context are never read (tests fill them with NaN to prove it). The caches are in any format of
+reference/kv_format.py (read back through its kv_decode; k_scale, v_scale: fp8's per-tensor scales).
 
 - `prefill_attention`: a variable-length batch of query chunks; the q_len queries of sequence s (rows
   cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1) are the last q_len tokens of its context, so a chunk of a long
@@ -21,18 +22,18 @@ from functools import partial
 import numpy as np
 
 from reference.attention import attention
-from reference.bf16 import bf16_to_f32
+from reference.kv_format import kv_decode
 from reference.parallel import WORKERS, run_all
 
 
-def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
-              context_len: int) -> tuple[np.ndarray, np.ndarray]:
+def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, context_len: int,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """The first context_len tokens of one sequence as float32 (context_len, Hkv, d) K and V."""
     block_size = k_cache.shape[1]
     blocks = np.asarray(block_table[: -(-context_len // block_size)])
     k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:context_len]
     v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:context_len]
-    return bf16_to_f32(k), bf16_to_f32(v)
+    return kv_decode(k, k_scale), kv_decode(v, v_scale)
 
 
 # A long chunk of queries is attended QUERY_TILE at a time: a tile reads only the keys up to its last
@@ -45,7 +46,8 @@ PARALLEL_SCORES = 1 << 20
 
 
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                      cu_seqlens_q: np.ndarray, context_lens: np.ndarray, scale: float) -> np.ndarray:
+                      cu_seqlens_q: np.ndarray, context_lens: np.ndarray, scale: float, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> np.ndarray:
     """q (T, Hq, d) float32 for all sequences' new tokens -> (T, Hq, d) float32."""
     out = np.empty_like(q, dtype=np.float32)
     chunks = []                     # per sequence: (its rows of q, their positions, the sequence)
@@ -55,11 +57,12 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
             ctx = int(context_lens[s])
             chunks.append((slice(begin, end), np.arange(ctx - (end - begin), ctx), s))
     if q.shape[1] * sum(len(positions) * (positions[-1] + 1) for _, positions, _ in chunks) >= PARALLEL_SCORES:
-        kv = [gather_kv(k_cache, v_cache, block_tables[s], positions[-1] + 1) for _, positions, s in chunks]
+        kv = [gather_kv(k_cache, v_cache, block_tables[s], positions[-1] + 1, k_scale, v_scale)
+              for _, positions, s in chunks]
         _attend_in_threads(q, out, chunks, kv, scale)
         return out
     for rows, positions, s in chunks:
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], positions[-1] + 1)
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], positions[-1] + 1, k_scale, v_scale)
         for tile, tile_positions in _query_tiles(rows, positions):
             seen = tile_positions[-1] + 1
             out[tile] = attention(q[tile], k[:seen], v[:seen], tile_positions, scale)
@@ -131,14 +134,15 @@ def _attend_piece(q: np.ndarray, out: np.ndarray, rows: slice, positions: np.nda
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                    context_lens: np.ndarray, scale: float) -> np.ndarray:
+                    context_lens: np.ndarray, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
     """q (S, Hq, d) float32, one decode query per sequence -> (S, Hq, d) float32."""
     cu = np.arange(len(context_lens) + 1)
-    return prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale)
+    return prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, scale, k_scale, v_scale)
 
 
 def paged_attention_walk(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
-                         context_lens: np.ndarray, scale: float) -> np.ndarray:
+                         context_lens: np.ndarray, scale: float, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> np.ndarray:
     """`paged_attention` as the kernel computes it: one key at a time along the block table, online softmax."""
     num_seqs, hq, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -149,13 +153,13 @@ def paged_attention_walk(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
             m, l, acc = -np.inf, np.float32(0), np.zeros(d, np.float32)
             for j in range(int(context_lens[s])):
                 block, offset = block_tables[s, j // block_size], j % block_size
-                key = bf16_to_f32(k_cache[block, offset, h // group])
+                key = kv_decode(k_cache[block, offset, h // group], k_scale)
                 score = np.float32(scale) * np.dot(q[s, h], key)
                 m_new = max(m, score)
                 correction = np.exp(np.float32(m - m_new))
                 p = np.exp(np.float32(score - m_new))
                 l = l * correction + p
-                acc = acc * correction + p * bf16_to_f32(v_cache[block, offset, h // group])
+                acc = acc * correction + p * kv_decode(v_cache[block, offset, h // group], v_scale)
                 m = m_new
             out[s, h] = acc / l
     return out
@@ -163,7 +167,8 @@ def paged_attention_walk(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray
 
 def paged_attention_partitioned(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                                 block_tables: np.ndarray, context_lens: np.ndarray, scale: float,
-                                partition_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                                partition_size: int, k_scale: float = 1.0,
+                                v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split-K decode, first pass: each partition of partition_size keys attended on its own.
 
     Partition p of sequence s holds keys p * partition_size .. min((p + 1) * partition_size, context_len) - 1.
@@ -183,7 +188,7 @@ def paged_attention_partitioned(q: np.ndarray, k_cache: np.ndarray, v_cache: np.
         ctx = int(lens[s])
         if ctx <= 0:
             continue
-        k, v = gather_kv(k_cache, v_cache, block_tables[s], ctx)
+        k, v = gather_kv(k_cache, v_cache, block_tables[s], ctx, k_scale, v_scale)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)     # (ctx, Hq, d)
         for p in range(-(-ctx // partition_size)):
             keys = slice(p * partition_size, min((p + 1) * partition_size, ctx))

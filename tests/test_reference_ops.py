@@ -343,6 +343,41 @@ def test_prefill_attention_in_threads_equals_the_math(threaded, monkeypatch):
     np.testing.assert_array_equal(prefill_attention(*args), got)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp32"])
+def test_prefill_attention_in_threads_reads_every_kv_format(threaded, monkeypatch, fmt):
+    """The threaded path decodes the cache in its format with k_scale and v_scale, as the serial one does:
+    the math reference on the values read back."""
+    from reference.kv_format import round_kv
+
+    monkeypatch.setattr("reference.paged_attention.QUERY_TILE", 8)
+    rng = np.random.default_rng(12)
+    chunks = [(20, 0), (5, 15)]                              # 5 blocks each
+    contexts = [n + cached for n, cached in chunks]
+    group, hkv, d, scale, block = 2, 2, 8, 0.35, 4
+    k_scale, v_scale = (0.5, 2.0) if fmt == "fp8" else (1.0, 1.0)
+    num_blocks = sum(-(-c // block) for c in contexts)
+    tables = np.arange(num_blocks, dtype=np.int32)[::-1].reshape(len(contexts), -1).copy()
+    k_cache = allocate_kv_cache(num_blocks, block, hkv, d, fmt)
+    v_cache = allocate_kv_cache(num_blocks, block, hkv, d, fmt)
+    ks, vs = [], []
+    for s, ctx in enumerate(contexts):
+        k = 3 * rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        v = 3 * rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        j = np.arange(ctx)
+        kv_cache_write(k, v, k_cache, v_cache, tables[s, j // block] * block + j % block, k_scale, v_scale)
+        ks.append(round_kv(k, fmt, k_scale))
+        vs.append(round_kv(v, fmt, v_scale))
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
+    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
+    args = (q, k_cache, v_cache, tables, cu, np.array(contexts), scale, k_scale, v_scale)
+    got = prefill_attention(*args)
+    for s, (n, cached) in enumerate(chunks):
+        want = attention(q[cu[s]:cu[s + 1]], ks[s], vs[s], np.arange(cached, cached + n), scale)
+        close(got[cu[s]:cu[s + 1]], want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr("reference.paged_attention.PARALLEL_SCORES", 1 << 62)   # the serial path
+    close(prefill_attention(*args), got, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tile", [1, 5, 16, None])
 def test_prefill_attention_in_query_tiles_equals_float64_softmax(monkeypatch, tile):
     """Long chunks are attended QUERY_TILE queries at a time, each tile reading keys up to its last
