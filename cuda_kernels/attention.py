@@ -13,13 +13,22 @@ token j lives in block block_tables[s, j // block_size] at offset j % block_size
 
 Shapes and dtypes:
     q             (T, Hq, d)              float32   the new tokens of every sequence, packed
-    k/v_cache     (blocks, bs, Hkv, d)    uint16    bf16 bit patterns; slots past a context are never read
+    k/v_cache     (blocks, bs, Hkv, d)    format    uint16 bf16 bits, float32 or uint8 fp8 e4m3 bits
+                                                    (cuda_kernels/kv_format.py); slots past a context are
+                                                    never read
     block_tables  (S, max_blocks)         int32     -1 past the end
     cu_seqlens_q  (S + 1,)                int32     rows of q per sequence
     context_lens  (S,)                    int32     cached prefix + the new tokens
     out           (T, Hq, d)              float32
-d must be a multiple of 8 and at most 128 (K/V are loaded 4 bf16 = 64 bits at a time); the tensor-core
-version takes d in TC_HEAD_DIMS (16, 32, 64, 128) and raises ValueError otherwise, for callers to fall back.
+d must be a multiple of 8 and at most 128 (K/V are loaded 64 bits at a time); the tensor-core version takes d
+in TC_HEAD_DIMS (16, 32, 64, 128) and raises ValueError otherwise, for callers to fall back.
+
+KV formats: the cache's format is a compile-time choice of each kernel factory (kv_format.codec: how an
+element or a 64-bit word is read). The fp8 cache's per-tensor scales are folded in by the launchers (the
+score scale times k_scale; the output times v_scale), so the kernels read unscaled e4m3 values. The naive
+and flash kernels read every format; the tensor-core kernel reads bf16 and fp8 (an e4m3 value is a bf16
+value: staged as bf16, the mma operands stay exact) and refuses fp32, whose K/V would need the 3-piece split
+of Q as well (the engine runs the flash kernel for an fp32 cache: that format is for checking, not speed).
 
 Versions:
 - `prefill_attention_naive` (teaching): grid = (S, max_q_len, Hq), one warp per (query token, head). It
@@ -75,12 +84,14 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint64
 
+from cuda_kernels import kv_format
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.kv_format import WORD_ELEMS, e4m3x4_to_bf16x4, unpack_bf16x4
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
-from cuda_kernels.primitives import FULL_MASK, WARP, bf16_to_f32, warp_max, warp_sum
+from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum
 
 NEG_INF = float32(-np.inf)
 U64_ZERO = np.uint64(0)        # typed constants (a numba type cast is slow in the simulator's inner loops)
@@ -95,6 +106,7 @@ PREFILL_WARPS = 2 if SIMULATOR else 4
 # Tensor-core prefill: the head dims it compiles for, and per head dim its warps per block (16 query rows
 # each) and keys per K/V tile (see tc_config).
 TC_HEAD_DIMS = (16, 32, 64, 128)
+TC_FORMATS = ("bf16", "fp8")   # the KV formats it reads (see "KV formats" above)
 
 
 def tc_config(head_dim: int) -> tuple[int, int]:
@@ -114,26 +126,7 @@ def tc_config(head_dim: int) -> tuple[int, int]:
 # device helpers
 
 
-@cuda.jit(device=True)
-def unpack_bf16x4_device(word):
-    """Four bf16 packed in a uint64 (element 0 in the low bits) -> four float32 (the GPU's unpacking)."""
-    lo = uint32(word & uint64(0xFFFFFFFF))
-    hi = uint32(word >> uint64(32))
-    # bf16_to_f32 shifts its argument left by 16 in 32 bits, which drops the upper element by itself.
-    return bf16_to_f32(lo), bf16_to_f32(lo >> uint32(16)), bf16_to_f32(hi), bf16_to_f32(hi >> uint32(16))
-
-
-if SIMULATOR:
-    _HALVES = np.array([0, 16, 32, 48], np.uint64)
-
-    def unpack_bf16x4(word):
-        """The simulator's unpacking: plain NumPy. A simulated device-function call costs far more than the
-        work here, and this sits in the innermost loops (the device version is tested on its own)."""
-        bits = ((np.uint64(word) >> _HALVES) & np.uint64(0xFFFF)).astype(np.uint32) << np.uint32(16)
-        f = bits.view(np.float32)
-        return f[0], f[1], f[2], f[3]
-else:
-    unpack_bf16x4 = unpack_bf16x4_device
+# (unpack_bf16x4 and its device version: cuda_kernels/kv_format.py, with the other formats' unpacking)
 
 
 def _tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u, words, block_size):
@@ -186,6 +179,30 @@ else:
     tile_word = cuda.jit(device=True, inline=True)(_tile_word)
     store_words = cuda.jit(device=True, inline=True)(_store_words)
     store_words_f32 = cuda.jit(device=True, inline=True)(_store_words_f32)
+
+
+@lru_cache(maxsize=None)
+def widening_store(fmt: str):
+    """store_words_f32 for a cache of format fmt: word u of a tile (E elements) widened into the float32
+    tiles, K row j at j * k_stride, V row j at j * E * words. bf16 keeps the unrolled version above."""
+    if fmt == "bf16":
+        return store_words_f32
+    E = WORD_ELEMS[fmt]
+    unpack = kv_format.codec(fmt)[2]
+
+    def store(ks, vs, u, kw, vw, words, k_stride):
+        if u < TILE * words:
+            j, w = u // words, u % words
+            kx = unpack(kw)
+            vx = unpack(vw)
+            base = j * k_stride + E * w
+            for c in range(E):
+                ks[base + c] = kx[c]
+            base = j * E * words + E * w
+            for c in range(E):
+                vs[base + c] = vx[c]
+
+    return store if SIMULATOR else cuda.jit(device=True, inline=True)(store)
 
 
 if SIMULATOR:
@@ -296,13 +313,15 @@ cache_word = _cache_word if SIMULATOR else cuda.jit(device=True, inline=True)(_c
 
 
 @lru_cache(maxsize=None)
-def _naive_kernel(head_dim: int, block_size: int):
+def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
     D, BS = head_dim, block_size
     ARENA = NAIVE_MAX_CONTEXT + D      # shared floats: the row of scores, then the query
+    decode = kv_format.codec(fmt)[1]
 
     @cuda.jit
-    def prefill_naive_kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out):
-        # q, out (T, Hq, D) f32; k_cache, v_cache (blocks, BS, Hkv, D) u16; block_tables (S, max_blocks) i32
+    def prefill_naive_kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
+        # q, out (T, Hq, D) f32; k_cache, v_cache (blocks, BS, Hkv, D) in format fmt; block_tables (S, max_blocks)
+        # i32; scale includes fp8's k_scale
         seq, i, h = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         lane = cuda.threadIdx.x
         q_begin = cu_seqlens_q[seq]
@@ -332,7 +351,7 @@ def _naive_kernel(head_dim: int, block_size: int):
             block, offset = block_tables[seq, j // BS], j % BS
             dot = float32(0)
             for t in range(D):
-                dot += qs[t] * bf16_to_f32(k_cache[block, offset, kvh, t])
+                dot += qs[t] * decode(k_cache[block, offset, kvh, t])
             scores[j] = float32(scale) * dot
             local_max = max(local_max, scores[j])
         m = warp_max(local_max)
@@ -351,8 +370,8 @@ def _naive_kernel(head_dim: int, block_size: int):
             acc = float32(0)
             for j in range(n_keys):
                 block, offset = block_tables[seq, j // BS], j % BS
-                acc += scores[j] * bf16_to_f32(v_cache[block, offset, kvh, t])
-            out[row, h, t] = acc / total
+                acc += scores[j] * decode(v_cache[block, offset, kvh, t])
+            out[row, h, t] = acc / total * v_scale
 
     return prefill_naive_kernel
 
@@ -378,11 +397,12 @@ def _row_tile(q, k_words, cu_seqlens_q, context_lens, rows):
 
 
 @lru_cache(maxsize=None)
-def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
+def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: str = "bf16"):
     D, BS, R, NW = head_dim, block_size, rows, warps
     RW = R // NW                       # query rows per warp
     NT = NW * WARP
-    WD = D // 4                        # uint64 words (4 bf16) per K/V row
+    WD = D // WORD_ELEMS[fmt]          # uint64 words per K/V row (4 bf16, 2 fp32 or 8 fp8 each)
+    stage = widening_store(fmt)
     KS = D + 1                         # NOTE: odd row stride: lane j reading ks[j * KS + i] hits bank (j + i) % 32
     DPL = (D + WARP - 1) // WARP       # output dims per lane: lane owns dims lane, lane + 32, ...
     STAGE = (TILE * WD + NT - 1) // NT     # uint64 words of a K (or V) tile per thread
@@ -395,8 +415,9 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
     ACC = RW * DPL                     # accumulators per lane (sizes must be plain constants for numba)
 
     @cuda.jit
-    def prefill_flash_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, out):
-        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4) u64 (the bf16 caches, 4 per word)
+    def prefill_flash_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
+        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, WD) u64 (the caches, 64 bits per word);
+        # scale includes fp8's k_scale
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
         group, q_begin, n_rows, row0, first, k_end = _row_tile(q, k_words, cu_seqlens_q, context_lens, R)
         if row0 >= n_rows:
@@ -445,10 +466,10 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
                 kb, vb = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + NT, WD, BS)
                 kc, vc = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 2 * NT, WD, BS)
                 kd, vd = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 3 * NT, WD, BS)
-                store_words_f32(ks, vs, u, ka, va, WD, KS)
-                store_words_f32(ks, vs, u + NT, kb, vb, WD, KS)
-                store_words_f32(ks, vs, u + 2 * NT, kc, vc, WD, KS)
-                store_words_f32(ks, vs, u + 3 * NT, kd, vd, WD, KS)
+                stage(ks, vs, u, ka, va, WD, KS)
+                stage(ks, vs, u + NT, kb, vb, WD, KS)
+                stage(ks, vs, u + 2 * NT, kc, vc, WD, KS)
+                stage(ks, vs, u + 3 * NT, kd, vd, WD, KS)
             cuda.syncthreads()
 
             # Scores of key t0 + lane against the warp's rows (q broadcast from shared memory).
@@ -497,7 +518,7 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
         for r in range(RW):
             total = warp_sum(l[r])
             if lane == 0:
-                inv_l[wrow0 + r] = float32(1) / total if total > float32(0) else float32(0)
+                inv_l[wrow0 + r] = v_scale / total if total > float32(0) else float32(0)
         for r in range(RW):
             for c in range(DPL):
                 dim = lane + WARP * c
@@ -514,10 +535,17 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int):
     return prefill_flash_kernel
 
 
+@cuda.jit(device=True)
+def _same_quad(word):
+    return word
+
+
 @lru_cache(maxsize=None)
-def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
-    """The tensor-core flash kernel: `warps` warps of 16 query rows each, K/V tiles of `keys` keys."""
+def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "bf16"):
+    """The tensor-core flash kernel: `warps` warps of 16 query rows each, K/V tiles of `keys` keys; fmt "bf16"
+    (cache words: uint64 quads of bf16) or "fp8" (uint32 quads of e4m3, made bf16 quads as they are staged)."""
     D, BS, NW, KT = head_dim, block_size, warps, keys
+    quad = _same_quad if fmt == "bf16" else e4m3x4_to_bf16x4
     R = 16 * NW                  # query rows per block: one m16 tile per warp
     NT = NW * WARP
     DS = D // 16                 # mma k-steps over the head dim (S = Q K^T)
@@ -545,8 +573,9 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
     OACC = DJ * 4                # O accumulators per lane
 
     @cuda.jit
-    def prefill_tc_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, out):
-        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4) u64 (the bf16 caches, 4 per word)
+    def prefill_tc_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
+        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4): quads of 4 elements (bf16: u64; fp8:
+        # u32); scale includes fp8's k_scale
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
         group, q_begin, n_rows, row0, first, k_end = _row_tile(q, k_words, cu_seqlens_q, context_lens, R)
         if row0 >= n_rows:
@@ -632,10 +661,11 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
                                                    BS)
             for n in range(K_PER):
                 if k_row + n * K_STEP < KT:
-                    k_store[4 * K_STEP * n] = kr[n]
+                    k_store[4 * K_STEP * n] = quad(kr[n])
             for n in range(V_PER):
                 if v_word + n * V_STEP < WD:
-                    c0, c1, c2, c3 = transpose_bf16x4(vr[4 * n], vr[4 * n + 1], vr[4 * n + 2], vr[4 * n + 3])
+                    c0, c1, c2, c3 = transpose_bf16x4(quad(vr[4 * n]), quad(vr[4 * n + 1]), quad(vr[4 * n + 2]),
+                                                      quad(vr[4 * n + 3]))
                     v_store[16 * V_STEP * n] = c0
                     v_store[16 * V_STEP * n + 4] = c1
                     v_store[16 * V_STEP * n + 8] = c2
@@ -723,7 +753,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
         total_lo, total_hi = quad_sum2(l[0], l[1])
         for half in range(2):
             r = r_lo + 8 * half
-            total = total_lo if half == 0 else total_hi
+            total = (total_lo if half == 0 else total_hi) / v_scale
             if r < n_rows:
                 token = q_begin + r // group
                 head = kvh * group + r % group
@@ -739,17 +769,18 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int):
 
 
 def prefill_attention_naive(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                            max_q_len, stream=0):
+                            max_q_len, stream=0, k_scale=1.0, v_scale=1.0):
     """The teaching version of `prefill_attention` (same arguments). Contexts up to NAIVE_MAX_CONTEXT; a
     query that sees more keys gets NaN."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or max_q_len == 0:
         return
-    kernel = _naive_kernel(d, block_size)
+    kernel = _naive_kernel(d, block_size, fmt)
     kernel[(num_seqs, max_q_len, q.shape[1]), WARP, stream](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, np.float32(scale), out)
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out)
 
 
 def prefill_rows_per_block(head_dim: int) -> int:
@@ -762,31 +793,37 @@ def prefill_rows_per_block(head_dim: int) -> int:
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len,
-                      stream=0):
+                      stream=0, k_scale=1.0, v_scale=1.0):
     """out (T, Hq, d) <- causal attention of every sequence's new tokens over its paged context.
 
-    max_q_len: the longest q_len in the batch (host int; it sizes the grid)."""
+    max_q_len: the longest q_len in the batch (host int; it sizes the grid). The caches in any format
+    (kv_format); k_scale, v_scale: the fp8 cache's per-tensor scales."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or max_q_len == 0:
         return
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     rows = prefill_rows_per_block(d)
-    kernel = _flash_kernel(d, block_size, rows, PREFILL_WARPS)
+    kernel = _flash_kernel(d, block_size, rows, PREFILL_WARPS, fmt)
     grid = (num_seqs, -(-max_q_len * group // rows), num_kv_heads)
     launch(kernel, grid, PREFILL_WARPS * WARP, stream, q, cache_words(k_cache), cache_words(v_cache), block_tables,
-           cu_seqlens_q, context_lens, np.float32(scale), out)
+           cu_seqlens_q, context_lens, scale, v_scale, out)
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                         max_q_len, stream=0, keys_per_tile=None):
-    """`prefill_attention` on tensor cores (same arguments and result). head_dim must be one of TC_HEAD_DIMS:
-    a ValueError otherwise, so that a caller can fall back to prefill_attention. keys_per_tile (a multiple of
-    16) overrides tc_config's, for tuning."""
+                         max_q_len, stream=0, keys_per_tile=None, k_scale=1.0, v_scale=1.0):
+    """`prefill_attention` on tensor cores (same arguments and result). head_dim must be one of TC_HEAD_DIMS
+    and the cache bf16 or fp8: a ValueError otherwise, so that a caller can fall back to prefill_attention.
+    keys_per_tile (a multiple of 16) overrides tc_config's, for tuning."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
+    if fmt not in TC_FORMATS:
+        raise ValueError(f"prefill_attention_tc reads {' and '.join(TC_FORMATS)} caches, got {fmt} "
+                         f"(prefill_attention takes every format)")
     if d not in TC_HEAD_DIMS:
         raise ValueError(f"prefill_attention_tc: head_dim must be one of {TC_HEAD_DIMS}, got {d} "
                          f"(prefill_attention takes any multiple of 8)")
@@ -799,10 +836,11 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
         return
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    kernel = _tc_kernel(d, block_size, warps, keys)
+    kernel = _tc_kernel(d, block_size, warps, keys, fmt)
     grid = (num_seqs, -(-max_q_len * group // (16 * warps)), num_kv_heads)
-    launch(kernel, grid, warps * WARP, stream, q, cache_words(k_cache), cache_words(v_cache), block_tables,
-           cu_seqlens_q, context_lens, np.float32(scale), out)
+    quads = np.uint64 if fmt == "bf16" else np.uint32     # 4 elements per word
+    launch(kernel, grid, warps * WARP, stream, q, view(k_cache, dtype=quads), view(v_cache, dtype=quads),
+           block_tables, cu_seqlens_q, context_lens, scale, v_scale, out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -810,9 +848,17 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
 
 
 def cache_words(cache):
-    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks, bs, Hkv, d / 4) uint64, as a kernel argument
-    (launch.view: no copy, no new device array)."""
+    """The cache (blocks, bs, Hkv, d) seen as (blocks, bs, Hkv, d / E) uint64 (E elements of its format per
+    word), as a kernel argument (launch.view: no copy, no new device array)."""
     return view(cache, dtype=np.uint64)
+
+
+def folded_scales(k_cache, scale, k_scale, v_scale):
+    """(format, the score scale times k_scale, v_scale) as float32, after kv_format.check_scales: the fp8
+    cache's scales, applied outside the kernels' loops (see the module docstring)."""
+    fmt = kv_format.format_of(k_cache)
+    k_scale, v_scale = kv_format.check_scales(fmt, k_scale, v_scale)
+    return fmt, np.float32(np.float32(scale) * k_scale), v_scale
 
 
 def _describe(array):
@@ -836,13 +882,13 @@ def check_cache_args(q, k_cache, v_cache, block_tables, context_lens):
     d = q.shape[2]
     if d % 8 or not 8 <= d <= 128:
         raise ValueError(f"head_dim must be a multiple of 8 in 8..128, got {d}")
-    if k_cache.ndim != 4 or k_cache.dtype != np.uint16 or k_cache.shape[3] != d:
-        raise ValueError(f"k_cache: expected (num_blocks, block_size, num_kv_heads, {d}) uint16 bf16, "
-                         f"got {_describe(k_cache)}")
-    _expect("v_cache", v_cache, k_cache.shape, np.uint16)
+    if k_cache.ndim != 4 or k_cache.dtype not in kv_format.DTYPES.values() or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: expected (num_blocks, block_size, num_kv_heads, {d}) uint16 (bf16), float32 "
+                         f"(fp32) or uint8 (fp8), got {_describe(k_cache)}")
+    _expect("v_cache", v_cache, k_cache.shape, k_cache.dtype)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not _is_c_contiguous(cache):
-            raise ValueError(f"{name} must be C-contiguous (it is read 4 bf16 at a time)")
+            raise ValueError(f"{name} must be C-contiguous (it is read 64 bits at a time)")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
     if context_lens.ndim != 1 or context_lens.dtype != np.int32:

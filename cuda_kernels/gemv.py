@@ -30,8 +30,9 @@ Thread mappings:
   silu(gate) * up for features j.. directly (out (M, F)): no (M, 2F) intermediate, no SiLU kernel.
   RoPE (``gemv_rope``, the engine's QKV projection at decode): the same pairing on the fused QKV weight, a
   warp's R/2 pairs being rows i and i + d/2 of a head, so the epilogue rotates each pair and writes what
-  rope.rope_kv_write would (rotated q; the rotated K and the V into the cache slots): no qkv intermediate,
-  no RoPE kernel.
+  rope.rope_kv_write would (rotated q; the rotated K and the V into the cache slots, in the cache's format:
+  kv_format.codec's encode, a compile-time choice of the kernel factory): no qkv intermediate, no RoPE
+  kernel.
 - ``gemv`` with a ``GemvStaged(rows_per_block, warps)`` config (the staged gemv): grid = (ceil(N / R),
   ceil(M / m_tile)), block = 32 * warps threads, R = rows_per_block; block (bx, by) owns weight rows
   bx * R + r (paired: R / 2 pairs, as above) and activation rows by * m_tile + mm. Before the PDL wait the
@@ -70,14 +71,13 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, pdl, rope
+from cuda_kernels import activation, kv_format, pdl, rope
 from cuda_kernels.async_copy import cp_async_16, cp_async_commit, cp_async_wait
 from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, launch, view
 from cuda_kernels.matmul_args import check_args
-from cuda_kernels.primitives import (WARP, bf16_to_f32, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair,
-                                     warp_sum)
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_from_bits, round_bf16, round_bf16_pair, warp_sum
 
 # gemv compiles one kernel per m_tile (accumulators are registers, so their count must be a constant).
 _GEMV_M_TILES = (1, 2, 4, 8)
@@ -169,7 +169,7 @@ def _gemv_warp_kernel(bf16_inputs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_rows(rows: int, pairing: str, head_dim: int):
+def _gemv_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
     """(weight_row, store_inputs, store): the device functions by which a gemv kernel maps a group of `rows`
     weight rows to the weight and writes their results, for a pairing (see _gemv_kernel).
 
@@ -184,6 +184,7 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int):
     GATED, ROPE = pairing == "gated", pairing == "rope"
     PAIRED = GATED or ROPE
     HALF = head_dim // 2
+    encode = kv_format.codec(fmt)[0]   # the KV cache's format (rope)
 
     @cuda.jit(device=True, inline=True)
     def weight_row(n0, r, N):
@@ -213,13 +214,13 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int):
     @cuda.jit(device=True, inline=True)
     def rope_inputs(dst, m, j):
         """(cos, sin) of pair j at row m's position, and row m's cache slot."""
-        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping = dst
+        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale = dst
         pos, i = positions[m], j % HALF
         return cos[pos, i], sin[pos, i], slot_mapping[m]
 
     @cuda.jit(device=True, inline=True)
     def store_rope(dst, m, j, a, b, pre):
-        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping = dst
+        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale = dst
         c, s, slot = pre
         head, i = j // HALF, j % HALF
         num_heads, num_kv_heads = q_out.shape[1], k_cache.shape[2]
@@ -232,11 +233,11 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int):
         elif slot >= 0:
             block, offset = slot // k_cache.shape[1], slot % k_cache.shape[1]
             if head < num_heads + num_kv_heads:
-                k_cache[block, offset, head - num_heads, i] = f32_to_bf16(a)
-                k_cache[block, offset, head - num_heads, i + HALF] = f32_to_bf16(b)
+                k_cache[block, offset, head - num_heads, i] = encode(a, k_scale)
+                k_cache[block, offset, head - num_heads, i + HALF] = encode(b, k_scale)
             else:
-                v_cache[block, offset, head - num_heads - num_kv_heads, i] = f32_to_bf16(a)
-                v_cache[block, offset, head - num_heads - num_kv_heads, i + HALF] = f32_to_bf16(b)
+                v_cache[block, offset, head - num_heads - num_kv_heads, i] = encode(a, v_scale)
+                v_cache[block, offset, head - num_heads - num_kv_heads, i + HALF] = encode(b, v_scale)
 
     if ROPE:
         return weight_row, rope_inputs, store_rope
@@ -245,7 +246,7 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int):
 
 @functools.lru_cache(maxsize=None)
 def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
-                 pipelined: bool, bf16_inputs: bool, pairing: str = "", head_dim: int = 0):
+                 pipelined: bool, bf16_inputs: bool, pairing: str = "", head_dim: int = 0, fmt: str = "bf16"):
     """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
     64-bit weight loads per row in flight per lane, and K split over k_split warps of the block; pipelined,
     the loads of a lane's next pass are issued before its current one is consumed; with bf16_inputs every x
@@ -273,7 +274,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
-    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim)
+    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim, fmt)
 
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
     def load_words(w64, wv, n0, N, j0):
@@ -418,10 +419,11 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
         gemv_body(x, w64, w16, kv, (out,))
 
     @cuda.jit
-    def gemv_rope_kernel(x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping):
+    def gemv_rope_kernel(x, w64, w16, kv, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale,
+                         v_scale):
         # q_out (M, Hq, d) f32; positions, slot_mapping (M,) int; cos, sin (max_positions, d/2) f32;
-        # k_cache, v_cache (blocks, block_size, Hkv, d) u16 bf16 (rope.py's arguments)
-        gemv_body(x, w64, w16, kv, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
+        # k_cache, v_cache (blocks, block_size, Hkv, d) in the format fmt; k_scale, v_scale f32 (rope.py's)
+        gemv_body(x, w64, w16, kv, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale))
 
     kernel = gemv_rope_kernel if ROPE else gemv_kernel
     kernel.rows_per_block = ROWS_PER_BLOCK
@@ -430,7 +432,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
 
 @functools.lru_cache(maxsize=None)
 def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, k: int, bf16_inputs: bool,
-                        pairing: str = "", head_dim: int = 0):
+                        pairing: str = "", head_dim: int = 0, fmt: str = "bf16"):
     """The staged gemv kernel (GemvStaged) for m_tile activation rows per block and K = k (a multiple of 8):
     a block copies its rows_per_block weight rows whole into shared memory (dynamic, rows_per_block * k * 2
     bytes) with cp.async before the PDL wait, then multiplies them by x; pairing as in _gemv_kernel."""
@@ -448,7 +450,7 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     XN = MT * 4 * WPT
     RED_SHAPE = (warps_per_block, NACC)
-    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim)
+    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim, fmt)
     wait_copies = cp_async_wait(0)
 
     @cuda.jit(device=True, inline=True)
@@ -539,9 +541,10 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
         staged_body(x64, w64, (out,))
 
     @cuda.jit
-    def gemv_staged_rope_kernel(x64, w64, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping):
+    def gemv_staged_rope_kernel(x64, w64, q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale,
+                                v_scale):
         # the arguments of gemv_rope_kernel (x as x64, no w16, no kv)
-        staged_body(x64, w64, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping))
+        staged_body(x64, w64, (q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale))
 
     return gemv_staged_rope_kernel if pairing == "rope" else gemv_staged_kernel
 
@@ -584,24 +587,26 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
 
 
 def gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0,
-              config: GemvConfig | None = None, bf16_inputs: bool = False):
+              config: GemvConfig | None = None, bf16_inputs: bool = False, k_scale=1.0, v_scale=1.0):
     """The QKV projection with rope.rope_kv_write as its epilogue, for small M (decode): of qkv = x @ W^T
     (W the fused QKV weight, (Hq + 2 Hkv) d rows) only the results are written: q_out (M, Hq, d) the rotated
     queries, and each token's rotated K and its V into the caches at slot_mapping[m] (-1: not written).
     positions, cos, sin, k_cache, v_cache, slot_mapping as rope.rope_kv_write takes them; weight and config
     as gemv (config.rows_per_warp, or a GemvStaged's rows_per_block, must be even: rows i and i + d/2 of a
-    head are paired)."""
+    head are paired). The caches may be in any format of kv_format (k_scale, v_scale: fp8's scales)."""
     M, N, K = check_args(x, weight, None, allow_u64_weight=True)
     t, hq, hkv, d = rope.check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out)
+    fmt = kv_format.format_of(k_cache)
+    k_scale, v_scale = kv_format.check_scales(fmt, k_scale, v_scale)
     if (M, N) != (t, (hq + 2 * hkv) * d):
         raise ValueError(f"gemv_rope: x {tuple(x.shape)} and weight {tuple(weight.shape)} give a ({M}, {N}) "
                          f"product; q_out and the caches need ({t}, {(hq + 2 * hkv) * d}) for Hq={hq}, "
                          f"Hkv={hkv}, d={d}")
-    setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "rope", d)
+    setup = _gemv_setup(x, weight, M, N, K, config, bf16_inputs, "rope", d, fmt)
     if setup:
         kernel, grid, block, inputs, shared = setup
         launch(kernel, grid, block, stream, *inputs, q_out, positions, cos, sin, k_cache, v_cache,
-               slot_mapping, shared=shared, dependent=True)
+               slot_mapping, k_scale, v_scale, shared=shared, dependent=True)
 
 
 def _m_tile(m: int) -> int:
@@ -616,14 +621,14 @@ def gemv_staged_shared_bytes(config: GemvStaged, m: int, k: int) -> int:
     return rows * k * 2 + warps * _m_tile(m) * rows * 4
 
 
-def _gemv_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
+def _gemv_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim=0, fmt="bf16"):
     """(the gemv kernel, its grid and block, its arguments for x and the weight, its dynamic shared memory in
     bytes) for x (M, K) @ weight^T, or None when there is nothing to compute; checks config."""
     if M == 0 or N == 0:
         return None
     config = config or GemvConfig()
     if isinstance(config, GemvStaged):
-        return _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim)
+        return _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim, fmt)
     config = GemvConfig(*config)
     if config.warps_per_block % config.k_split or not 1 <= config.warps_per_block <= 32 or config.unroll < 1:
         raise ValueError(f"gemv config {config}: need 1 <= warps_per_block <= 32, a multiple of k_split, "
@@ -638,12 +643,12 @@ def _gemv_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim=0):
     else:
         w64, w16, kv = weight, weight, 0  # w64 is never read when kv == 0
     m_tile = _m_tile(M)
-    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim)
+    kernel = _gemv_kernel(m_tile, *config, bool(bf16_inputs), pairing, head_dim, fmt)
     grid = ((N + kernel.rows_per_block - 1) // kernel.rows_per_block, (M + m_tile - 1) // m_tile)
     return kernel, grid, WARP * config.warps_per_block, (x, w64, w16, kv), 0
 
 
-def _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim):
+def _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_dim, fmt="bf16"):
     """_gemv_setup for a GemvStaged config."""
     rows, warps = config
     if not 1 <= warps <= 32 or rows < 1 or (pairing and rows % 2):
@@ -658,7 +663,7 @@ def _gemv_staged_setup(x, weight, M, N, K, config, bf16_inputs, pairing, head_di
         raise ValueError(f"gemv config {config}: {rows} rows of K = {K} need {shared} bytes of shared memory "
                          f"at M = {M}, over the {OPT_IN_SHARED_LIMIT} a block may have: use fewer rows per block")
     m_tile = _m_tile(M)
-    kernel = _gemv_staged_kernel(m_tile, rows, warps, K, bool(bf16_inputs), pairing, head_dim)
+    kernel = _gemv_staged_kernel(m_tile, rows, warps, K, bool(bf16_inputs), pairing, head_dim, fmt)
     grid = (-(-N // rows), -(-M // m_tile))
     inputs = (view(x, dtype=np.uint64), view(weight, shape=(N * K // 4,), dtype=np.uint64))
     return kernel, grid, WARP * warps, inputs, rows * K * 2

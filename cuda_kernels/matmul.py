@@ -248,19 +248,21 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
 
 
 def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,
-                         bf16_inputs: bool = False, workspace=None, split_workspace=None, planes_ready: bool = False):
-    """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T):
+                         bf16_inputs: bool = False, workspace=None, split_workspace=None, planes_ready: bool = False,
+                         k_scale=1.0, v_scale=1.0):
+    """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T;
+    the caches in any format of kv_format, k_scale and v_scale the fp8 cache's scales):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
     memory, no RoPE kernel), else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
     planes_ready: as matmul's. Twin: reference.matmul.matmul_rope_kv_write."""
     if uses_gemv(x.shape[0], weight.shape[0]):
         gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
-                  config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs)
+                  config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, k_scale=k_scale, v_scale=v_scale)
     else:
         qkv = _rows(scratch, x.shape[0])
         matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace,
                planes_ready=planes_ready)
-        rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream)
+        rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream, k_scale, v_scale)
 
 
 def _rows(scratch, m: int):

@@ -12,7 +12,9 @@ warps of one block combine, and how the split-K partitions combine.
 
 Shapes and dtypes:
     q             (S, Hq, d)              float32   one query per sequence, at position context_len - 1
-    k/v_cache     (blocks, bs, Hkv, d)    uint16    bf16 bit patterns; slots past a context are never read
+    k/v_cache     (blocks, bs, Hkv, d)    format    uint16 bf16 bits, float32, or uint8 fp8 e4m3 bits
+                                                    (cuda_kernels/kv_format.py); slots past a context are
+                                                    never read
     block_tables  (S, max_blocks)         int32     token j in block block_tables[s, j // bs], offset j % bs
     context_lens  (S,)                    int32     0 marks a padding slot: its output is 0
     out           (S, Hq, d)              float32
@@ -20,7 +22,12 @@ Shapes and dtypes:
     partial_max, partial_sum (S, Hq, P)   float32
     workspace     (n,)                    float32   the fast kernel's split-K partials, carved from one buffer
                                                     of decode_workspace_size(...) floats
-d must be a multiple of 8 and at most 128 (K/V are loaded 4 bf16 = 64 bits at a time).
+d must be a multiple of 8 and at most 128 (K/V are loaded 64 bits at a time: 4 bf16, 2 fp32 or 8 fp8).
+
+KV formats: the walk and the fast kernel read every format, a compile-time choice of their factories
+(kv_format.codec: an element's or a 64-bit word's values); the fp8 cache's per-tensor scales are folded in by
+the launchers (the score scale times k_scale, the output times v_scale). v1 and split stage bf16 words for
+their 4-dims-per-lane P V phase and read bf16 caches only (their launchers say so).
 
 Thread mapping of the walk kernel: grid = (S, Hq), one warp per (sequence, head); lane i owns dims i, i + 32,
 ... of q, of the running acc and of out. For each key j < context_len in order, the warp reads the block
@@ -92,12 +99,13 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
-from cuda_kernels import pdl
-from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, check_cache_args,
+from cuda_kernels import kv_format, pdl
+from cuda_kernels.attention import (NEG_INF, SHARED_BUDGET, TILE, U64_ZERO, _expect, check_cache_args, folded_scales,
                                     store_words, unpack_bf16x4, warp_barrier)
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.kv_format import WORD_ELEMS
 from cuda_kernels.launch import launch, view
-from cuda_kernels.primitives import FULL_MASK, WARP, bf16_to_f32, warp_max, warp_sum
+from cuda_kernels.primitives import FULL_MASK, WARP, warp_max, warp_sum
 
 MAX_WARPS = 2 if SIMULATOR else 4   # the simulator runs one Python thread per CUDA thread
 LOG2E = float32(1 / math.log(2))
@@ -131,6 +139,12 @@ SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
 # 64,512 of the 65,536 (head_dim 40, groups 7 and 8, 8 lanes: 168 x 384, with the walk's two chunks of
 # registers; 161 x 384 before): tools/offline_compile.py --attention-warps checks every configuration offline.
 MAX_FAST_WARPS = 12
+# NOTE: per KV format (ptxas of CUDA 13.5, tools/offline_compile.py --attention-warps --kv-cache-dtype): every
+# fp8 configuration fits (57,856 at most: head_dim 40, group 7, 4 lanes, 8 warps: 226 x 256), but with an fp32
+# cache head_dim 128, one query head per block and 4 lanes per key take 221 registers, and the 11 warps its
+# shared memory allows would need 77,792. fp32 is capped at 8 warps (255 x 256 always fits); the policy never
+# asks for more than 8 anyway.
+FAST_WARPS_BY_FORMAT = {"bf16": MAX_FAST_WARPS, "fp8": MAX_FAST_WARPS, "fp32": 8}
 SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
@@ -141,15 +155,16 @@ TARGET_BLOCKS = 512
 
 
 @lru_cache(maxsize=None)
-def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int):
-    """The walk kernel (paged_attention_walk) for one head_dim, block size and KV head count."""
+def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int, fmt: str = "bf16"):
+    """The walk kernel (paged_attention_walk) for one head_dim, block size, KV head count and KV format."""
     D, BS, HKV = head_dim, block_size, num_kv_heads
     DPL = -(-D // WARP)          # dims per lane: lane i owns dims i, i + 32, ... of q, acc and out
+    decode = kv_format.codec(fmt)[1]
 
     @cuda.jit
-    def walk_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
-        # q, out (S, Hq, D) f32; k_cache, v_cache (blocks, BS, HKV, D) u16 bf16; block_tables (S, max_blocks)
-        # i32; context_lens (S,) i32. grid (S, Hq), one warp per block.
+    def walk_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, v_scale, out):
+        # q, out (S, Hq, D) f32; k_cache, v_cache (blocks, BS, HKV, D) in format fmt; block_tables (S,
+        # max_blocks) i32; context_lens (S,) i32; scale includes fp8's k_scale. grid (S, Hq), one warp per block.
         seq, head = cuda.blockIdx.x, cuda.blockIdx.y
         lane = cuda.threadIdx.x
         kvh = head // (q.shape[1] // HKV)
@@ -169,7 +184,7 @@ def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int):
             for i in range(DPL):
                 d = lane + i * WARP
                 if d < D:
-                    dot += qr[i] * bf16_to_f32(k_cache[block, offset, kvh, d])
+                    dot += qr[i] * decode(k_cache[block, offset, kvh, d])
             score = scale * warp_sum(dot)
             # online softmax: rescale what was accumulated against the old max when the max grows
             m_new = max(m, score)
@@ -179,12 +194,12 @@ def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int):
             for i in range(DPL):
                 d = lane + i * WARP
                 if d < D:
-                    acc[i] = acc[i] * c + p * bf16_to_f32(v_cache[block, offset, kvh, d])
+                    acc[i] = acc[i] * c + p * decode(v_cache[block, offset, kvh, d])
             m = m_new
         for i in range(DPL):
             d = lane + i * WARP
             if d < D:
-                out[seq, head, d] = acc[i] / l if l > float32(0) else float32(0)
+                out[seq, head, d] = acc[i] / l * v_scale if l > float32(0) else float32(0)
 
     return walk_kernel
 
@@ -437,22 +452,26 @@ else:
 
 
 @lru_cache(maxsize=None)
-def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, lanes_per_key: int, warps: int):
+def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, lanes_per_key: int, warps: int,
+                 fmt: str = "bf16"):
     """(direct kernel, split kernel) of the fast decode attention for one configuration (see the module
     docstring, "The fast kernel"). The direct kernel (grid z = 1) writes out; the split kernel writes the
-    partials of its partition, which paged_attention_reduce_kernel merges."""
+    partials of its partition, which paged_attention_reduce_kernel merges. fmt: the KV format (a word holds
+    E = 4 bf16, 2 fp32 or 8 fp8 elements; everything below counts words)."""
     D, BS, HKV, G, LPK, NW = head_dim, block_size, num_kv_heads, group, lanes_per_key, warps
+    E = WORD_ELEMS[fmt]
+    unpack = kv_format.codec(fmt)[2]
     NT = NW * WARP
     HB = heads_per_block(G)          # query heads per block
     C = -(-G // HB)                  # blocks (head chunks) per KV head
     KPW = WARP // LPK                # slots (keys in flight) per warp
-    WD = D // 4                      # 64-bit words (4 bf16) per K/V row
+    WD = D // E                      # 64-bit words (E elements) per K/V row
     WPL = -(-WD // LPK)              # words per lane: lane sub owns words sub, sub + LPK, ...
     EVEN = WD % LPK == 0             # every lane owns WPL words (else the last ones are masked)
     U = max(1, min(CHUNK_WORDS // WPL, -(-BS // KPW)))  # keys per slot per chunk: CHUNK_WORDS words of K, of V
     CH = U * KPW                     # keys per warp per chunk
     NCH = -(-BS // CH)               # chunks per KV block
-    QW = HB * WPL * 4                # q values (and acc values) per lane
+    QW = HB * WPL * E                # q values (and acc values) per lane
     KW = U * WPL                     # K words (and V words) per lane in a chunk (two chunks in registers)
     STATES = NW * KPW                # online-softmax states per head in a block, one per (warp, slot)
     SS = HB * D + 1                  # NOTE: odd stride between the states' acc rows: fewer bank conflicts
@@ -501,14 +520,12 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
             for h in range(HB):
                 sc[h] = float32(0)
             for i in range(WPL):
-                k0, k1, k2, k3 = unpack_bf16x4(kw[u * WPL + i])
+                kx = unpack(kw[u * WPL + i])
                 for h in range(HB):
-                    e = (h * WPL + i) * 4
+                    e = (h * WPL + i) * E
                     dot = sc[h]
-                    dot += qr[e] * k0
-                    dot += qr[e + 1] * k1
-                    dot += qr[e + 2] * k2
-                    dot += qr[e + 3] * k3
+                    for c in range(E):
+                        dot += qr[e + c] * kx[c]
                     sc[h] = dot
             for h in range(HB):
                 sc[h] = slot_sum(sc[h], LPK)
@@ -521,20 +538,18 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
                         # still 0), not once per key.
                         c = math.exp2(m[h] - score)
                         l[h] *= c
-                        for a in range(WPL * 4):
-                            acc[h * WPL * 4 + a] *= c
+                        for a in range(WPL * E):
+                            acc[h * WPL * E + a] *= c
                         m[h] = score
                     p = math.exp2(score - m[h])
                     l[h] += p
                     sc[h] = p
                 for i in range(WPL):
-                    v0, v1, v2, v3 = unpack_bf16x4(vw[u * WPL + i])
+                    vx = unpack(vw[u * WPL + i])
                     for h in range(HB):
-                        e = (h * WPL + i) * 4
-                        acc[e] += sc[h] * v0
-                        acc[e + 1] += sc[h] * v1
-                        acc[e + 2] += sc[h] * v2
-                        acc[e + 3] += sc[h] * v3
+                        e = (h * WPL + i) * E
+                        for c in range(E):
+                            acc[e + c] += sc[h] * vx[c]
 
     @cuda.jit(device=True)
     def attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc):
@@ -585,12 +600,12 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         for h in range(HB):
             for i in range(WPL):
                 w = sub + LPK * i
-                for c in range(4):
+                for c in range(E):
                     value = float32(0)
                     if h < nh and (EVEN or w < WD):
-                        value = scale2 * q[seq, h0 + h, 4 * w + c]
-                    qr[(h * WPL + i) * 4 + c] = value
-                    acc[(h * WPL + i) * 4 + c] = float32(0)
+                        value = scale2 * q[seq, h0 + h, E * w + c]
+                    qr[(h * WPL + i) * E + c] = value
+                    acc[(h * WPL + i) * E + c] = float32(0)
             m[h] = NEG_INF
             l[h] = float32(0)
 
@@ -622,8 +637,8 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
             for i in range(WPL):
                 w = sub + LPK * i
                 if EVEN or w < WD:
-                    for c in range(4):
-                        sacc[state * SS + h * D + 4 * w + c] = acc[(h * WPL + i) * 4 + c]
+                    for c in range(E):
+                        sacc[state * SS + h * D + E * w + c] = acc[(h * WPL + i) * E + c]
         cuda.syncthreads()
 
     @cuda.jit(device=True)
@@ -650,9 +665,9 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         return total, value
 
     @cuda.jit
-    def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, out):
-        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/4) u64, row (block * BS + offset) * HKV
-        # + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * C)
+    def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out):
+        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/E) u64, row (block * BS + offset) * HKV
+        # + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * C); scale includes fp8's k_scale
         pdl.launch_dependents()
         seq, kvh, h0, nh = seq_and_heads()
         sm = cuda.shared.array(ML_SIZE, float32)
@@ -666,12 +681,12 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         for t in range(cuda.threadIdx.x, nh * D, NT):
             h, dim = t // D, t % D
             total, value = merged(sl, sacc, sw, h, dim)
-            out[seq, h0 + h, dim] = value / total if total > float32(0) else float32(0)
+            out[seq, h0 + h, dim] = value / total * v_scale if total > float32(0) else float32(0)
 
     @cuda.jit
-    def split_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, partition_blocks, partial_out,
+    def split_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, partition_blocks, partial_out,
                      partial_max, partial_sum):
-        # partial_out (S, Hq, P, D) f32; partial_max, partial_sum (S, Hq, P) f32; grid (S, HKV * C, P),
+        # partial_out (S, Hq, P, D) f32 (times v_scale); partial_max, partial_sum (S, Hq, P) f32; grid (S, HKV * C, P),
         # partition p = KV blocks p * partition_blocks .. (p + 1) * partition_blocks - 1
         pdl.launch_dependents()
         seq, kvh, h0, nh = seq_and_heads()
@@ -691,7 +706,7 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         for t in range(cuda.threadIdx.x, nh * D, NT):
             h, dim = t // D, t % D
             total, value = merged(sl, sacc, sw, h, dim)
-            partial_out[seq, h0 + h, part, dim] = value
+            partial_out[seq, h0 + h, part, dim] = value * v_scale
             if dim == 0:
                 big = NEG_INF
                 for st in range(STATES):
@@ -707,10 +722,10 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
 
 
 def cache_rows(cache):
-    """The bf16 cache (blocks, bs, Hkv, d) uint16 seen as (blocks * bs * Hkv, d / 4) uint64 rows, as a kernel
-    argument (launch.view: no copy, no new device array)."""
+    """The cache (blocks, bs, Hkv, d) seen as (blocks * bs * Hkv, d / E) uint64 rows (E elements of its format
+    per word), as a kernel argument (launch.view: no copy, no new device array)."""
     blocks, bs, hkv, d = cache.shape
-    return view(cache, (blocks * bs * hkv, d // 4), np.uint64)
+    return view(cache, (blocks * bs * hkv, d * np.dtype(cache.dtype).itemsize // 8), np.uint64)
 
 
 def decode_warps(head_dim: int) -> int:
@@ -719,21 +734,25 @@ def decode_warps(head_dim: int) -> int:
     return max(1, min(MAX_WARPS, (SHARED_BUDGET - 4 * head_dim) // per_warp))
 
 
-def paged_attention_walk(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0):
+def paged_attention_walk(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, k_scale=1.0,
+                         v_scale=1.0):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context, one warp per
-    (sequence, head) walking the block table one key at a time (the first version). Twin:
-    reference.paged_attention.paged_attention_walk."""
+    (sequence, head) walking the block table one key at a time (the first version); any KV format (k_scale,
+    v_scale: fp8's). Twin: reference.paged_attention.paged_attention_walk."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
     if q.shape[0] == 0:
         return
-    kernel = _walk_kernel(d, block_size, k_cache.shape[2])
+    kernel = _walk_kernel(d, block_size, k_cache.shape[2], fmt)
     launch(kernel, (q.shape[0], q.shape[1]), WARP, stream, q, k_cache, v_cache, block_tables, context_lens,
-           np.float32(scale), out)
+           scale, v_scale, out)
 
 
 def paged_attention_v1(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0):
-    """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (v1)."""
+    """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (v1; bf16
+    caches only)."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    kv_format.require_bf16(k_cache, "paged_attention_v1")
     if q.shape[0] == 0:
         return
     warps = decode_warps(d)
@@ -809,9 +828,10 @@ def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_b
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
-                    partition_blocks=None, lanes_per_key=None, warps=None):
+                    partition_blocks=None, lanes_per_key=None, warps=None, k_scale=1.0, v_scale=1.0):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (fast kernel).
 
+    The caches in any format of kv_format; k_scale, v_scale: the fp8 cache's per-tensor scales.
     workspace: a float32 device array of at least decode_workspace_size(...) elements, or None. With it the
     context is split into decode_partitions(...) partitions (from shapes only: CUDA-graph safe) and a second
     kernel merges them; without it one pass per (sequence, KV head), fine for big batches.
@@ -821,6 +841,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     block_tables, context_lens and the K/V of every key but each sequence's newest (position
     context_len - 1): only that key may come from the kernel before (a decode step's QKV + RoPE)."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
     num_seqs, num_heads = q.shape[:2]
     num_kv_heads = k_cache.shape[2]
     max_blocks = max(block_tables.shape[1], 1)
@@ -844,18 +865,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
         return
     if warps is None:
         warps = policy_warps
-    elif not 1 <= warps <= fast_warps(d, group, lanes, most=MAX_FAST_WARPS):
-        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=MAX_FAST_WARPS)} for head_dim {d}, "
+    elif not 1 <= warps <= fast_warps(d, group, lanes, most=FAST_WARPS_BY_FORMAT[fmt]):
+        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=FAST_WARPS_BY_FORMAT[fmt])} for "
+                         f"head_dim {d}, "
                          f"group {group}, {lanes} lanes per key; got {warps!r}")
-    direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps)
+    direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps, fmt)
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if parts == 1:
-        launch(direct, grid, warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens, np.float32(scale),
+        launch(direct, grid, warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens, scale, v_scale,
                out, dependent=True)
         return
     launch(split, grid + (parts,), warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens,
-           np.float32(scale), int(partition_blocks), *partials, dependent=True)
+           scale, v_scale, int(partition_blocks), *partials, dependent=True)
     paged_attention_reduce(*partials, context_lens, int(partition_blocks) * block_size, out, stream)
 
 
@@ -886,6 +908,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, scale
     The workspace (shapes from split_workspace_shapes) must cover the longest context: P * partition_size >=
     max(context_lens). Any partition_size >= 1 is correct; multiples of 32 * warps keep every warp busy."""
     d, block_size = _check_decode(q, k_cache, v_cache, block_tables, context_lens, out)
+    kv_format.require_bf16(k_cache, "paged_attention_split")
     _check_workspace(*q.shape, partial_out, partial_max, partial_sum, partition_size)
     if q.shape[0] == 0:
         return

@@ -9,8 +9,9 @@ Inputs: qkv (T, (Hq + 2 Hkv) * d) float32, the fused projection output (query he
 value heads); positions (T,) int; cos, sin (max_positions, d/2) float32 tables computed on the host in
 float64 (reference/rope.py, llama3 scaling included), so no transcendental is evaluated here; slot_mapping
 (T,) int, -1 for padding tokens. Outputs: q_out (T, Hq, d) float32 rotated; k_cache, v_cache
-(num_blocks, block_size, Hkv, d) uint16 bf16, the rotated K and the V of token t at flat slot
-slot_mapping[t], rounded to nearest even.
+(num_blocks, block_size, Hkv, d) in the cache's format (cuda_kernels/kv_format.py: uint16 bf16 rounded to
+nearest even, float32, or uint8 fp8 e4m3 of x / k_scale and x / v_scale), the rotated K and the V of token t
+at flat slot slot_mapping[t].
 
 Thread mapping: grid = (T,), one block per token. The block's threads stride over the (Hq + Hkv) * d/2
 rotation pairs (thread j owns pair i = j % (d/2) of head j // (d/2): it reads x1[i] and x2[i] and writes
@@ -25,10 +26,9 @@ from functools import lru_cache
 
 from numba import cuda
 
-from cuda_kernels import pdl
+from cuda_kernels import kv_format, pdl
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch
-from cuda_kernels.primitives import f32_to_bf16
 
 # NOTE: 512 threads on the GPU, so that one token's (Hq + Hkv) * d/2 rotation pairs take few passes (3 for
 # the 1B model): at decode each pass is a memory round trip (see rmsnorm.py); the simulator keeps 128.
@@ -39,12 +39,13 @@ THREADS = 128 if SIMULATOR else 512
 
 
 @lru_cache(maxsize=None)
-def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
+def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int, fmt: str = "bf16"):
     half = head_dim // 2
     v_start = (num_heads + num_kv_heads) * head_dim
+    encode = kv_format.codec(fmt)[0]
 
     @cuda.jit
-    def rope_kv_write_kernel(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
+    def rope_kv_write_kernel(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, k_scale, v_scale):
         pdl.launch_dependents()
         pdl.grid_wait()
         t = cuda.blockIdx.x
@@ -66,11 +67,11 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
                 q_out[t, head, i + half] = out2
             elif slot >= 0:
                 kv_head = head - num_heads
-                k_cache[block, offset, kv_head, i] = f32_to_bf16(out1)
-                k_cache[block, offset, kv_head, i + half] = f32_to_bf16(out2)
+                k_cache[block, offset, kv_head, i] = encode(out1, k_scale)
+                k_cache[block, offset, kv_head, i + half] = encode(out2, k_scale)
         if slot >= 0:
             for j in range(cuda.threadIdx.x, num_kv_heads * head_dim, cuda.blockDim.x):
-                v_cache[block, offset, j // head_dim, j % head_dim] = f32_to_bf16(qkv[t, v_start + j])
+                v_cache[block, offset, j // head_dim, j % head_dim] = encode(qkv[t, v_start + j], v_scale)
 
     return rope_kv_write_kernel
 
@@ -85,11 +86,12 @@ def check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
     if q_out.ndim != 3 or q_out.dtype.name != "float32":
         raise ValueError(f"q_out: expected (T, Hq, d) float32, got {tuple(q_out.shape)} {q_out.dtype}")
     t, hq, d = q_out.shape
-    if k_cache.ndim != 4 or k_cache.dtype.name != "uint16" or k_cache.shape[3] != d:
-        raise ValueError(f"k_cache: expected (num_blocks, block_size, Hkv, {d}) uint16, "
-                         f"got {tuple(k_cache.shape)} {k_cache.dtype}")
+    if k_cache.ndim != 4 or k_cache.dtype not in kv_format.DTYPES.values() or k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: expected (num_blocks, block_size, Hkv, {d}) uint16 (bf16), float32 (fp32) or "
+                         f"uint8 (fp8), got {tuple(k_cache.shape)} {k_cache.dtype}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache: expected {tuple(k_cache.shape)} uint16, got {tuple(v_cache.shape)} {v_cache.dtype}")
+        raise ValueError(f"v_cache: expected {tuple(k_cache.shape)} {k_cache.dtype} (as k_cache), "
+                         f"got {tuple(v_cache.shape)} {v_cache.dtype}")
     if d % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {d}")
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != d // 2 or cos.dtype.name != "float32":
@@ -100,12 +102,16 @@ def check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out):
     return t, hq, k_cache.shape[2], d
 
 
-def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0):
-    """Rotate Q into q_out (T, Hq, d); rotate K and write it with V into the cache at slot_mapping."""
+def rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream=0, k_scale=1.0,
+                  v_scale=1.0):
+    """Rotate Q into q_out (T, Hq, d); rotate K and write it with V into the cache at slot_mapping, in the
+    cache's format (k_scale, v_scale: the fp8 cache's per-tensor scales)."""
     t, hq, hkv, d = check_rope_args(positions, cos, sin, k_cache, v_cache, slot_mapping, q_out)
+    fmt = kv_format.format_of(k_cache)
+    k_scale, v_scale = kv_format.check_scales(fmt, k_scale, v_scale)
     if qkv.shape != (t, (hq + 2 * hkv) * d) or qkv.dtype.name != "float32":
         raise ValueError(f"qkv: expected ({t}, {(hq + 2 * hkv) * d}) float32 for Hq={hq}, Hkv={hkv}, d={d}; "
                          f"got {tuple(qkv.shape)} {qkv.dtype}")
     if t:
-        launch(_rope_kv_write_kernel(hq, hkv, d), t, THREADS, stream, qkv, positions, cos, sin, k_cache, v_cache,
-               slot_mapping, q_out, dependent=True)
+        launch(_rope_kv_write_kernel(hq, hkv, d, fmt), t, THREADS, stream, qkv, positions, cos, sin, k_cache,
+               v_cache, slot_mapping, q_out, k_scale, v_scale, dependent=True)

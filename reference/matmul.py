@@ -52,8 +52,8 @@ def mlp(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, bf16_inputs: bool 
 
 def matmul_rope_kv_write(x: np.ndarray, weight: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                          k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping: np.ndarray, num_heads: int,
-                         bf16_inputs: bool = False) -> np.ndarray:
+                         bf16_inputs: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
     """The fused QKV projection followed by reference.rope.rope_kv_write: returns the rotated q (T, Hq, d) and
-    writes each token's rotated K and its V into the caches at slot_mapping (in place)."""
+    writes each token's rotated K and its V into the caches at slot_mapping (in place, in their format)."""
     return rope_kv_write(matmul(x, weight, bf16_inputs), positions, cos, sin, k_cache, v_cache, slot_mapping,
-                         num_heads)
+                         num_heads, k_scale, v_scale)

@@ -50,17 +50,18 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.nd
 
 
 def rope_kv_write(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
-                  v_cache: np.ndarray, slot_mapping: np.ndarray, num_heads: int) -> np.ndarray:
+                  v_cache: np.ndarray, slot_mapping: np.ndarray, num_heads: int, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> np.ndarray:
     """RoPE on the Q and K parts of the fused projection output, then K and V into their cache slots.
 
     qkv (T, (Hq + 2 Hkv) * d) float32 holds, per token, the Hq query heads, then the Hkv key heads, then the
     Hkv value heads (the row layout of the fused QKV weight). Returns the rotated q (T, Hq, d); the caches
-    (num_blocks, block_size, Hkv, d) are written in place (see kv_cache_write).
+    (num_blocks, block_size, Hkv, d) are written in place, in their format (see kv_cache_write).
     """
     t = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     q = qkv[:, : num_heads * d].reshape(t, num_heads, d)
     k = qkv[:, num_heads * d: (num_heads + hkv) * d].reshape(t, hkv, d)
     v = qkv[:, (num_heads + hkv) * d:].reshape(t, hkv, d)
-    kv_cache_write(apply_rope(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping)
+    kv_cache_write(apply_rope(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return apply_rope(q, positions, cos, sin)

@@ -182,6 +182,36 @@ def test_kernels_workload_checks_and_times_every_case(bench, tmp_path, capsys):
                 f"{c['target_gb_s']:,.0f} | {status} |") in md
 
 
+def test_kvcache_workload_reports_capacity_attention_throughput_and_logit_differences(bench, tmp_path):
+    """issue 31's report on the tiny model: the engines on the cpu backend (their capacity is the cpu
+    default's, the same for each format there), decode attention per format where the kernels run (the
+    simulator under the default profile, the GPU under the gpu one), bytes by the format's element size; the
+    logits compared with bf16's and fp32's; throughput for the formats asked."""
+    from cuda_kernels import compat
+
+    backend = "cpu" if compat.SIMULATOR else "cuda"
+    sizes = dataclasses.replace(bench.QUICK, attention_context=48, num_requests=4, kv_prompts=(9, 3), kv_new=3)
+    cfg = bench.BenchConfig(workloads=["kvcache"], sizes=sizes, preset="tiny", model_dir=tmp_path / "m",
+                            backend=backend, max_num_seqs=4, peer=False, kv_throughput=["fp8"],
+                            command="python3 tools/bench.py kvcache")
+    r = bench.run_bench(cfg)
+    assert r["errors"] == []
+    kv = r["tinyvllm"]["kvcache"]
+    assert set(kv["capacity"]) == {"bf16", "fp8", "fp32"} and all(c["blocks"] > 0 for c in kv["capacity"].values())
+    if not compat.SIMULATOR:   # on the GPU: half the bytes, about twice the blocks
+        assert kv["capacity"]["fp8"]["blocks"] > 1.8 * kv["capacity"]["bf16"]["blocks"]
+    itemsize = {"bf16": 2, "fp8": 1, "fp32": 4}
+    for fmt, row in kv["attention"].items():
+        assert row["check"] == "passed" and row["bytes"] == 2 * 2 * 48 * 2 * 16 * itemsize[fmt]
+    assert set(kv["attention"]) == {"bf16", "fp8", "fp32"}
+    assert list(kv["throughput"]) == ["fp8"] and kv["throughput"]["fp8"]["output_tokens"] > 0
+    logits = kv["logits"]
+    assert set(logits) == {"fp8 vs bf16", "fp32 vs bf16", "bf16 vs fp32", "fp8 vs fp32"}
+    assert 0 < logits["fp32 vs bf16"]["max_abs_logit_diff"] < logits["fp8 vs fp32"]["max_abs_logit_diff"]
+    md = bench.markdown(r)
+    assert "| fp8 vs bf16 |" in md and "| format | KV blocks at 0.9 |" in md
+
+
 def test_failed_kernel_check_is_reported(bench):
     """A case whose reference check failed (checked_time's text instead of seconds) is not timed or rated."""
     case = SimpleNamespace(name="GEMV: O", shape="1x8 @ 8x8^T", config="matmul: gemv (4, 2, 1, 1)",
@@ -291,12 +321,16 @@ def test_parse_args_presets_peers_and_static_batches(bench):
     assert cfg.workloads == list(bench.GOAL_WORKLOADS) == [
         "latency", "throughput", "prefill", "static", "step", "startup", "stalls"]
     assert cfg.peers == ["torch", "hf"] and cfg.static_batches == [16, 64, 256] and cfg.matmul_precision == "auto"
-    assert bench.parse_args(["all"])[0].workloads == list(bench.WORKLOADS)
-    assert bench.parse_args(["goals", "kernels"])[0].workloads == list(bench.WORKLOADS)
+    assert bench.parse_args(["all"])[0].workloads == list(bench.ALL_WORKLOADS) == list(bench.WORKLOADS[:-1])
+    assert bench.parse_args(["goals", "kernels"])[0].workloads == list(bench.ALL_WORKLOADS)
+    cfg, _ = bench.parse_args(["kvcache", "--kv-formats", "bf16,fp8", "--kv-throughput", "fp8"])
+    assert cfg.workloads == ["kvcache"] and cfg.kv_formats == ["bf16", "fp8"] and cfg.kv_throughput == ["fp8"]
+    assert cfg.kv_cache_dtype == "bf16" and bench.parse_args(["latency", "--kv-cache-dtype", "fp8"])[0].kv_cache_dtype == "fp8"
     cfg, _ = bench.parse_args(["static", "--static-batches", "64,256", "--peers", "torch"])
     assert cfg.workloads == ["static"] and cfg.static_batches == [64, 256] and cfg.peers == ["torch"]
     assert bench.parse_args(["latency", "--peers", "none"])[0].peers == []
-    for bad in (["latency", "--peers", "vllm"], ["static", "--static-batches", "0"], ["goal"]):
+    for bad in (["latency", "--peers", "vllm"], ["static", "--static-batches", "0"], ["goal"],
+                ["kvcache", "--kv-formats", "fp16"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

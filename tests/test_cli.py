@@ -53,6 +53,31 @@ def test_chat_keeps_the_conversation(tiny_model_dir):
     assert result.stdout.count("\n") == 2  # two replies, one line each
 
 
+def test_kv_cache_dtype_flag_reaches_the_engine(capsys, tiny_model_dir, monkeypatch):
+    """--kv-cache-dtype (generate, chat and serve share the engine options) picks the cache's format;
+    argparse refuses a format it does not know, naming the flag."""
+    import tinyvllm.llm
+
+    formats = []
+    real = tinyvllm.llm.LLMEngine.from_options
+
+    def recording(model=None, **options):
+        formats.append(options["kv_cache_dtype"])
+        return real(model, **options)
+
+    monkeypatch.setattr(tinyvllm.llm.LLMEngine, "from_options", staticmethod(recording))
+    code, out, _ = run_cli(capsys, "generate", "hi", "--model", str(tiny_model_dir), "--backend", "cpu",
+                           "--max-tokens", "2", "--kv-cache-dtype", "fp8")
+    assert code == 0 and formats == ["fp8"]
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--kv-cache-dtype", "fp16"])
+    assert "--kv-cache-dtype: invalid choice: 'fp16'" in capsys.readouterr().err
+    for command in ("chat", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--kv-cache-dtype" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "--temperature must be >= 0 (0 means greedy), got -1.0"),
     (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),

@@ -142,6 +142,43 @@ def test_bf16_matmul_precision_batches_like_alone_and_is_validated(tiny_model_di
         LLM(tiny_model_dir, backend="cpu", matmul_precision="tf32")
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp8"])
+def test_kv_cache_dtype_batches_like_alone_with_preemption_and_forks(tiny_model_dir, prompts, fmt):
+    """Each KV format keeps the engine's invariants on the CPU backend: batched (chunked, preempted: blocks
+    re-filled from recomputation) gives the tokens alone, n = 2 completions share then copy a block, nothing
+    leaks; the cache holds the format's dtype."""
+    llm = LLM(tiny_model_dir, backend="cpu", block_size=4, kv_cache_dtype=fmt)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    small = LLM(tiny_model_dir, backend="cpu", block_size=4, kv_cache_dtype=fmt, num_kv_blocks=24,
+                max_num_batched_tokens=16)
+    assert tokens(small.generate(prompts, GREEDY, use_tqdm=False)) == alone
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.runner.kv.k[0].dtype == {"fp32": np.float32, "fp8": np.uint8}[fmt]
+    forked = small.generate([prompts[0]], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6),
+                            use_tqdm=False)[0]
+    assert len(forked.outputs) == 2
+    bm = small.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_kv_cache_dtype_changes_the_numbers_as_its_roundings_say(tiny_model_dir):
+    """On the reference, against an fp32 cache: a bf16 cache moves the first-step logits a little, an fp8 one
+    (16 times coarser steps) more; an unknown format is refused, naming the option."""
+    from reference.llama import ReferenceLlama, single_sequence_batch
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.weights import load_weights
+
+    config = ModelConfig.from_dir(tiny_model_dir)
+    model = ReferenceLlama(config, load_weights(tiny_model_dir, config))
+    ids = np.random.default_rng(3).integers(0, 256, 30)
+    batch = single_sequence_batch(ids, 0, np.arange(8), 4)
+    logits = {fmt: model.forward(batch, model.new_kv_cache(8, 4, fmt)) for fmt in ("fp32", "bf16", "fp8")}
+    bf16, fp8 = (np.abs(logits[f] - logits["fp32"]).max() for f in ("bf16", "fp8"))
+    assert 0 < bf16 < fp8 < 0.5 * np.abs(logits["fp32"]).max(), (bf16, fp8)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(tiny_model_dir, backend="cpu", kv_cache_dtype="fp16")
+
+
 def run_all(engine, requests):
     """Every step's outputs per request (request id -> list of (new_text, token_ids, finished))."""
     seen = {}

@@ -107,6 +107,62 @@ def test_a_mixed_batch_equals_each_sequence_alone(model):
         close(batched[s], full_logits(model, seqs[s])[-1])
 
 
+def test_row_blocks_and_attention_in_threads_change_nothing_but_summation_order(model, monkeypatch):
+    """A prompt long enough for the thread pool (forced here: two workers, blocks of about 5 rows,
+    attention tiles of 4 queries in threads): the same logits and cache as in one piece."""
+    tokens = np.random.default_rng(5).integers(0, 260, 30).tolist()
+    table = np.arange(-(-len(tokens) // BLOCK), dtype=np.int32)
+    kv_once = model.new_kv_cache(len(table), BLOCK)
+    at_once = model.forward(single_sequence_batch(tokens, 0, table, BLOCK), kv_once)
+    for name, value in [("parallel.WORKERS", 2), ("parallel.ROW_BLOCK", 5), ("paged_attention.WORKERS", 2),
+                        ("paged_attention.PARALLEL_SCORES", 0), ("paged_attention.QUERY_TILE", 4)]:
+        monkeypatch.setattr("reference." + name, value)
+    kv = model.new_kv_cache(len(table), BLOCK)
+    close(model.forward(single_sequence_batch(tokens, 0, table, BLOCK), kv), at_once)
+    for a, b in zip(kv.k + kv.v, kv_once.k + kv_once.v):       # one bf16 rounding apart at most
+        a, b = bf16_to_f32(a), bf16_to_f32(b)
+        np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=2 ** -7 * np.nanmax(np.abs(b)))
+
+
+def test_trace_sees_whole_results_with_the_thread_pool_on(model, monkeypatch):
+    """With the thread pool forced on, tracing runs each layer as one block: trace sees every operation
+    once, in order, with all rows; the logits and an fp8 cache with scales come out as without the trace."""
+    from reference.kv_format import kv_decode
+    from reference.llama import TRACE_POINTS, PagedKVCache
+
+    for name, value in [("parallel.WORKERS", 2), ("parallel.ROW_BLOCK", 5), ("paged_attention.WORKERS", 2),
+                        ("paged_attention.PARALLEL_SCORES", 0), ("paged_attention.QUERY_TILE", 4)]:
+        monkeypatch.setattr("reference." + name, value)
+    c = model.config
+    tokens = np.random.default_rng(6).integers(0, 260, 23).tolist()
+    table = np.arange(-(-len(tokens) // BLOCK), dtype=np.int32)
+    batch = single_sequence_batch(tokens, 0, table, BLOCK)
+
+    def cache():
+        return PagedKVCache(c.num_layers, len(table), BLOCK, c.num_kv_heads, c.head_dim, "fp8", 0.5, 2.0)
+
+    kv_plain = cache()
+    plain = model.forward(batch, kv_plain)
+    seen = []
+    model.trace = lambda layer, name, array: seen.append((layer, name, array))     # kept, not copied
+    try:
+        kv = cache()
+        traced = model.forward(batch, kv)
+    finally:
+        model.trace = None
+    close(traced, plain)
+    np.testing.assert_allclose(kv_decode(kv.k[0], 0.5), kv_decode(kv_plain.k[0], 0.5), rtol=2 ** -3)
+    expected = [(-1, "embedding")] + [(i, op) for i in range(c.num_layers) for op in TRACE_POINTS]
+    assert [(layer, name) for layer, name, _ in seen] == expected + [(-1, "final_norm"), (-1, "logits")]
+    t = len(tokens)
+    for layer, name, array in seen[:-2]:
+        assert len(array) == t, (layer, name, array.shape)
+    # what trace was given is not overwritten later (x and q are updated in place by the forward)
+    np.testing.assert_array_equal(seen[0][2], bf16_to_f32(model.embed_tokens[tokens]))
+    traced_q = {layer: array for layer, name, array in seen if name == "q"}
+    assert not np.array_equal(traced_q[0], traced_q[1])
+
+
 def test_logits_are_varied_and_finite(model):
     logits = full_logits(model, [1, 2, 3, 4, 5])
     assert np.all(np.isfinite(logits))

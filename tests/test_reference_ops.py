@@ -1,6 +1,7 @@
 """The NumPy reference operations against straightforward formulas, and against each other."""
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from reference.embedding import embedding
 from reference.kv_cache import allocate_kv_cache, kv_cache_write
 from reference.matmul import matmul
 from reference.paged_attention import paged_attention, paged_attention_walk, prefill_attention
+from reference.parallel import for_row_blocks, run_all
 from reference.rmsnorm import fused_add_rmsnorm, rmsnorm
 from reference.rope import apply_rope, rope_inv_freq, rope_tables
 from reference.sampling import argmax, sample, sampling_probs
@@ -271,6 +273,109 @@ def test_prefill_attention_chunks_attend_to_their_whole_context(seed, chunks, gr
     for s, (n, cached) in enumerate(chunks):
         want = attention(q[cu[s]:cu[s + 1]], ks[s], vs[s], np.arange(cached, cached + n), 0.35)
         close(got[cu[s]:cu[s + 1]], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def threaded(monkeypatch):
+    """The reference's thread pool used whatever the size of the work: two workers (even on one core),
+    attention in threads from the first score, row blocks of about 3 rows."""
+    monkeypatch.setattr("reference.parallel.WORKERS", 2)
+    monkeypatch.setattr("reference.paged_attention.WORKERS", 2)
+    monkeypatch.setattr("reference.paged_attention.PARALLEL_SCORES", 0)
+    monkeypatch.setattr("reference.parallel.ROW_BLOCK", 3)
+
+
+def test_row_blocks_run_in_threads_and_cover_every_row_once(threaded):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((37, 16), dtype=np.float32)
+    w = f32_to_bf16(rng.standard_normal(16, dtype=np.float32))
+    out = np.full_like(x, np.nan)
+    calls = []
+
+    def norm_rows(rows):
+        calls.append((rows, threading.current_thread().name))
+        out[rows] = rmsnorm(x[rows], w, 1e-5)
+
+    for_row_blocks(norm_rows, len(x))
+    assert len(calls) == 12                                   # 37 rows / (2 workers * 3): 6 each
+    assert sorted(i for rows, _ in calls for i in range(rows.start, rows.stop)) == list(range(37))
+    assert all(name.startswith("reference") for _, name in calls)
+    np.testing.assert_array_equal(out, rmsnorm(x, w, 1e-5))    # row by row: the same values, bit for bit
+    calls.clear()
+    for_row_blocks(norm_rows, 2)                              # fewer rows than a block: one call, here
+    assert calls == [(slice(0, 2), threading.current_thread().name)]
+
+
+def test_run_all_holds_blas_to_one_thread_and_raises_a_task_error(threaded):
+    from threadpoolctl import threadpool_info
+    blas_threads, products = [], [None] * 4
+    a = np.random.default_rng(1).standard_normal((64, 64), dtype=np.float32)
+
+    def task(i):
+        blas_threads.extend(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
+        products[i] = a @ a.T * i
+
+    run_all([lambda i=i: task(i) for i in range(4)])
+    assert blas_threads and set(blas_threads) == {1}
+    for i in range(4):
+        np.testing.assert_allclose(products[i], (a.astype(np.float64) @ a.T) * i, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ZeroDivisionError):
+        run_all([lambda: None, lambda: 1 / 0])
+
+
+def test_prefill_attention_in_threads_equals_the_math(threaded, monkeypatch):
+    """Query tiles of 8 dealt out to two threads: every query still attends causally to its whole context
+    (the math reference), and the result does not depend on the number of threads, to the bit."""
+    monkeypatch.setattr("reference.paged_attention.QUERY_TILE", 8)
+    rng = np.random.default_rng(11)
+    chunks = [(40, 0), (9, 30), (1, 20), (17, 3)]            # (new queries, cached tokens before them)
+    contexts = [n + cached for n, cached in chunks]
+    group, hkv, d, scale = 3, 2, 8, 0.35
+    k_cache, v_cache, tables, ks, vs = scatter_into_cache(rng, contexts, 16, hkv, d)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
+    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
+    args = (q, k_cache, v_cache, tables, cu, np.array(contexts), scale)
+    got = prefill_attention(*args)
+    for s, (n, cached) in enumerate(chunks):
+        want = attention(q[cu[s]:cu[s + 1]], ks[s], vs[s], np.arange(cached, cached + n), scale)
+        close(got[cu[s]:cu[s + 1]], want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr("reference.paged_attention.WORKERS", 1)             # the same pieces, in this thread
+    np.testing.assert_array_equal(prefill_attention(*args), got)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp32"])
+def test_prefill_attention_in_threads_reads_every_kv_format(threaded, monkeypatch, fmt):
+    """The threaded path decodes the cache in its format with k_scale and v_scale, as the serial one does:
+    the math reference on the values read back."""
+    from reference.kv_format import round_kv
+
+    monkeypatch.setattr("reference.paged_attention.QUERY_TILE", 8)
+    rng = np.random.default_rng(12)
+    chunks = [(20, 0), (5, 15)]                              # 5 blocks each
+    contexts = [n + cached for n, cached in chunks]
+    group, hkv, d, scale, block = 2, 2, 8, 0.35, 4
+    k_scale, v_scale = (0.5, 2.0) if fmt == "fp8" else (1.0, 1.0)
+    num_blocks = sum(-(-c // block) for c in contexts)
+    tables = np.arange(num_blocks, dtype=np.int32)[::-1].reshape(len(contexts), -1).copy()
+    k_cache = allocate_kv_cache(num_blocks, block, hkv, d, fmt)
+    v_cache = allocate_kv_cache(num_blocks, block, hkv, d, fmt)
+    ks, vs = [], []
+    for s, ctx in enumerate(contexts):
+        k = 3 * rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        v = 3 * rng.standard_normal((ctx, hkv, d), dtype=np.float32)
+        j = np.arange(ctx)
+        kv_cache_write(k, v, k_cache, v_cache, tables[s, j // block] * block + j % block, k_scale, v_scale)
+        ks.append(round_kv(k, fmt, k_scale))
+        vs.append(round_kv(v, fmt, v_scale))
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
+    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
+    args = (q, k_cache, v_cache, tables, cu, np.array(contexts), scale, k_scale, v_scale)
+    got = prefill_attention(*args)
+    for s, (n, cached) in enumerate(chunks):
+        want = attention(q[cu[s]:cu[s + 1]], ks[s], vs[s], np.arange(cached, cached + n), scale)
+        close(got[cu[s]:cu[s + 1]], want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr("reference.paged_attention.PARALLEL_SCORES", 1 << 62)   # the serial path
+    close(prefill_attention(*args), got, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tile", [1, 5, 16, None])

@@ -44,6 +44,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="bf16: matmul inputs rounded to bf16 first, as vLLM does (faster tensor-core GEMMs); fp32: "
                         "exact inputs; auto (default): bf16 on the CUDA engine, fp32 on the CPU reference")
+    p.add_argument("--kv-cache-dtype", choices=("bf16", "fp32", "fp8", "auto", "fp8_e4m3"), default="bf16",
+                   help="the KV cache's format: bf16 (default; auto is the same), fp32 (unrounded: the GPU then "
+                        "matches the reference to summation order), fp8 (e4m3, as fp8_e4m3: twice the tokens)")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -161,7 +164,7 @@ def _load(args):
     try:
         return LLM(args.model, backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-                   matmul_precision=args.matmul_precision)
+                   matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as exc:  # engine options, config, weights and tokenizer errors all name the problem
         raise UserFacingError(str(exc)) from None
 

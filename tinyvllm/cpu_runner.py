@@ -19,13 +19,14 @@ class CPURunner:
     name = "cpu"
 
     def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, num_blocks: int | None = None,
-                 matmul_precision: str = "fp32"):
+                 matmul_precision: str = "fp32", kv_cache_dtype: str = "bf16"):
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks or -(-DEFAULT_CPU_KV_TOKENS // block_size)
         self.matmul_precision = matmul_precision
+        self.kv_cache_dtype = kv_cache_dtype
         self.model = ReferenceLlama(config, weights, matmul_precision)
-        self.kv = self.model.new_kv_cache(self.num_blocks, block_size)
+        self.kv = self.model.new_kv_cache(self.num_blocks, block_size, kv_cache_dtype)
         self._last = np.zeros(0, np.int32)   # the last step's samples, which a chained step reads
 
     def launch(self, scheduled: list[ScheduledSequence], chain_src=None) -> list[int]:

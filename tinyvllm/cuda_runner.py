@@ -2,7 +2,9 @@
 
 At start: the bf16 weights are uploaded once (Q/K/V and gate/up fused into one matrix each), fixed-size
 activation buffers are allocated for `max_num_batched_tokens` tokens and `max_num_seqs` sequences, and the
-KV cache takes what is left of `gpu_memory_utilization` of the card (reported on stderr). A step then:
+KV cache takes what is left of `gpu_memory_utilization` of the card (reported on stderr), in the format
+`kv_cache_dtype` (cuda_kernels/kv_format.py: bf16, 2 bytes an element; fp32, 4; fp8 e4m3, 1, with per-tensor
+scales k_scale = v_scale = 1.0). A step then:
 
 1. packs the scheduled batch on the host (tinyvllm/batch.py) into one pinned buffer and copies it to the
    device in one transfer (tinyvllm/step_inputs.py);
@@ -41,7 +43,7 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
 from cuda_kernels import argmax, attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
-from cuda_kernels import kv_cache, logprobs, penalties
+from cuda_kernels import kv_cache, kv_format, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
 from numba import cuda
@@ -59,6 +61,10 @@ SIMULATOR_KV_BLOCKS = 256
 PREFIX_CACHE_SIZES = 256   # (tokens, sampled rows) sizes whose buffer prefixes are kept
 
 
+def _no_trace(layer, name, array):
+    pass
+
+
 class SamplingMode(NamedTuple):
     """What a step's sampling runs: argmax (every row greedy) or the sampler; the penalties kernel first;
     the logprobs kernel after. Part of a CUDA graph's key."""
@@ -73,8 +79,13 @@ class CUDARunner:
 
     def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
-                 enforce_eager: bool = False, matmul_precision: str = "fp32"):
+                 enforce_eager: bool = False, matmul_precision: str = "fp32", kv_cache_dtype: str = "bf16"):
         c = self.config = config
+        if kv_cache_dtype not in kv_format.FORMATS:
+            raise ValueError(f"kv_cache_dtype must be one of {kv_format.FORMATS}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        # fp8's per-tensor scales (kv_format): 1.0, vLLM's when a checkpoint carries none
+        self.k_scale = self.v_scale = 1.0
         self.matmul_precision = matmul_precision
         self.bf16_inputs = matmul_precision == "bf16"   # matmul inputs rounded to bf16 (reference/matmul.py)
         self.block_size = block_size
@@ -98,9 +109,10 @@ class CUDARunner:
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.cos, self.sin = up(cos), up(sin)
         self.scale = np.float32(c.head_dim ** -0.5)
-        # NOTE: tensor-core prefill attention where the head size allows; the simulator keeps the SIMT kernel
-        # (every emulated mma costs two block barriers over Python threads; the kernel tests cover both)
-        use_tc = not SIMULATOR and c.head_dim in attention.TC_HEAD_DIMS
+        # NOTE: tensor-core prefill attention where the head size and the KV format allow (an fp32 cache, the
+        # checking format, takes the SIMT kernel); the simulator keeps the SIMT kernel (every emulated mma
+        # costs two block barriers over Python threads; the kernel tests cover both)
+        use_tc = not SIMULATOR and c.head_dim in attention.TC_HEAD_DIMS and kv_cache_dtype in attention.TC_FORMATS
         self.prefill_attention = attention.prefill_attention_tc if use_tc else attention.prefill_attention
 
         t, s, f32 = max_num_batched_tokens, max_num_seqs, np.float32
@@ -143,7 +155,8 @@ class CUDARunner:
         self.sample_workspace = empty(sampling.sample_workspace_size(s, c.vocab_size), np.uint64)
         self._features: dict | None = None   # the penalties', logprobs' and block copies' buffers (_feature)
 
-        per_block = 2 * c.num_layers * block_size * c.kv_size * 2
+        itemsize = kv_format.DTYPES[kv_cache_dtype].itemsize
+        per_block = 2 * c.num_layers * block_size * c.kv_size * itemsize
         self.num_blocks = num_blocks or self._blocks_that_fit(per_block, gpu_memory_utilization)
         max_width = min(-(-c.max_position_embeddings // block_size), self.num_blocks)
         self.inputs = StepInputs(t, s, max_width)
@@ -159,10 +172,14 @@ class CUDARunner:
         self.use_graphs = not enforce_eager and not SIMULATOR
         self.batch_buckets, self.width_buckets = batch_buckets(s), width_buckets(max_width)
         self.graphs: dict[tuple[int, int, bool], CUDAGraph] = {}
+        # trace(layer, name, device array), when set, sees the step's intermediate results as they are written
+        # (reference.llama.TRACE_POINTS; eager steps only: tools/compare_layers.py)
+        self.trace = None
         shape = (self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = [empty(shape, np.uint16) for _ in range(c.num_layers)]
-        self.v_cache = [empty(shape, np.uint16) for _ in range(c.num_layers)]
-        print(f"tinyvllm: KV cache: {self.num_blocks} blocks of {block_size} tokens = "
+        dtype = kv_format.DTYPES[kv_cache_dtype]
+        self.k_cache = [empty(shape, dtype) for _ in range(c.num_layers)]
+        self.v_cache = [empty(shape, dtype) for _ in range(c.num_layers)]
+        print(f"tinyvllm: KV cache ({kv_cache_dtype}): {self.num_blocks} blocks of {block_size} tokens = "
               f"{self.num_blocks * block_size} tokens ({self.num_blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)
 
     def _blocks_that_fit(self, per_block: int, utilization: float) -> int:
@@ -261,9 +278,12 @@ class CUDARunner:
         decode = max_q_len == 1
         mm = partial(matmul.matmul, bf16_inputs=self.bf16_inputs, workspace=self.planes,
                      split_workspace=self.split_workspace)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        trace = self.trace or _no_trace
         if chained:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
+        trace(-1, "embedding", x)
         # where the QKV and gate/up GEMMs run gemm_pipelined, the norms before them write h's bf16 planes too
         planes_qkv = self._planes_for(t, c.q_size + 2 * c.kv_size, False)
         planes_mlp = self._planes_for(t, 2 * c.intermediate_size, True)
@@ -273,22 +293,30 @@ class CUDARunner:
             else:
                 rmsnorm.fused_add_rmsnorm(sub, x, layer["input_norm"], c.rms_norm_eps, h, stream, planes_qkv,
                                           self.bf16_inputs)
+            trace(i, "input_norm", h)
             matmul.matmul_rope_kv_write(h, layer["qkv"], pos, self.cos, self.sin, self.k_cache[i], self.v_cache[i],
                                         slots, q, p["qkv"], stream, bf16_inputs=self.bf16_inputs,
                                         workspace=self.planes, split_workspace=self.split_workspace,
-                                        planes_ready=planes_qkv is not None)
+                                        planes_ready=planes_qkv is not None, **scales)
+            trace(i, "q", q)
+            trace(i, "k", self.k_cache[i])
+            trace(i, "v", self.v_cache[i])
             if decode:
                 paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
-                                                stream, workspace=self.attn_workspace)
+                                                stream, workspace=self.attn_workspace, **scales)
             else:
                 self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
-                                       self.scale, attn, max_q_len, stream)
+                                       self.scale, attn, max_q_len, stream, **scales)
+            trace(i, "attention", attn)
             mm(p["attn_rows"], layer["o"], sub, stream)
+            trace(i, "o_proj", sub)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream, planes_mlp,
                                       self.bf16_inputs)
+            trace(i, "post_norm", h)
             matmul.mlp(h, layer["gate_up"], layer["down"], sub, act, p["gate_up"], stream, bf16_inputs=self.bf16_inputs,
                        workspace=self.planes, act_planes=p["act_planes"], split_workspace=self.split_workspace,
                        planes_ready=planes_mlp is not None)
+            trace(i, "mlp", sub)
         if n == 0 and m == 0:
             return
         rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
@@ -301,7 +329,11 @@ class CUDARunner:
         """The sampled rows: LM head, then (penalties ->) argmax or sample (-> raw logits back, logprobs)."""
         last, logits, tokens = p["last"], p["logits"], p["tokens"]
         embedding.gather_rows(h, v["logits_indices"], last, stream)
+        if self.trace is not None:
+            self.trace(-1, "final_norm", last)
         mm(last, self.lm_head, logits, stream)
+        if self.trace is not None:
+            self.trace(-1, "logits", logits)
         n = logits.shape[0]
         f = self._feature_rows(n) if mode.penalties or mode.logprobs else None
         undo = (v["entry_offsets"], v["entries"], self._features["saved"], f["extra_token"], f["extra_saved"]) \

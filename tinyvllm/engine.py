@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.kv_format import FORMATS as KV_CACHE_DTYPES
 from reference.llama import MATMUL_PRECISIONS
 from tinyvllm.batch import prompt_logprob_range
 from tinyvllm.block_manager import BlockManager
@@ -107,6 +108,10 @@ class EngineOptions:
     # auto | fp32 | bf16: bf16 rounds the matmuls' inputs to bf16 (vLLM's numerics); auto is bf16 on the CUDA
     # engine (its fast path, what the benchmarks measure) and fp32 on the CPU reference (exact inputs)
     matmul_precision: str = "auto"
+    # bf16 | fp32 | fp8: the KV cache's format (vLLM's kv_cache_dtype; reference/kv_format.py). bf16 rounds K
+    # and V to bf16; fp32 stores them unrounded (GPU and reference then differ by summation order only);
+    # fp8 stores e4m3 with per-tensor scales (1.0), half the bytes of bf16: twice the tokens in the same memory
+    kv_cache_dtype: str = "bf16"
     async_scheduling: bool = True             # launch the next decode step before reading this one's tokens
     # CUDA backend: make every kernel ready and capture the decode graphs before the engine is returned
     # (tinyvllm/warmup.py), so no request waits on either; None: on a GPU yes, in Numba's simulator no
@@ -120,6 +125,11 @@ class EngineOptions:
         if self.matmul_precision not in ("auto", *MATMUL_PRECISIONS):
             raise ValueError(f"matmul_precision must be 'auto' or one of {MATMUL_PRECISIONS}, "
                              f"got {self.matmul_precision!r}")
+        # vLLM's spellings of the same formats: "auto" (the model's dtype, bf16 here) and "fp8_e4m3"
+        self.kv_cache_dtype = {"auto": "bf16", "fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or 'auto', 'fp8_e4m3'), "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -46,7 +46,7 @@ def make_runner(options, config, weights):
 
         return CUDARunner(config, weights, options.block_size, options.max_num_seqs,
                           options.max_num_batched_tokens, options.gpu_memory_utilization, options.num_kv_blocks,
-                          options.enforce_eager, precision)
+                          options.enforce_eager, precision, options.kv_cache_dtype)
     from tinyvllm.cpu_runner import CPURunner
 
-    return CPURunner(config, weights, options.block_size, options.num_kv_blocks, precision)
+    return CPURunner(config, weights, options.block_size, options.num_kv_blocks, precision, options.kv_cache_dtype)

@@ -19,7 +19,9 @@ Prompt logprobs run the LM head on the prompt rows max_num_seqs at a time, so st
 rows' classes. Steps with penalties or logprobs get their kernels in step 1, and so does the copy-on-write kernel of
 parallel sampling (it launches before a step, outside it); their graphs are captured when first met (a capture
 takes milliseconds, not the seconds of a compile), and again after a step with more penalty entries than
-the step inputs hold has grown them (tinyvllm/step_inputs.py).
+the step inputs hold has grown them (tinyvllm/step_inputs.py). The KV cache's format (kv_cache_dtype) is a
+compile-time choice of the attention and KV-write kernels, taken from the runner's caches, so the walk meets
+the format's own variants: nothing here depends on the format.
 """
 
 from __future__ import annotations

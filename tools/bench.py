@@ -3,7 +3,8 @@ workloads in the same run, against issue 29's goals.
 
     python3 tools/bench.py goals --json out.json --markdown out.md    # every row of the goal table, with peers
     python3 tools/bench.py all [--sweep 1,16,64,256] [options]        # goals + the single-kernel targets
-    python3 tools/bench.py latency|throughput|prefill|static|step|startup|stalls|kernels [more] [options]
+    python3 tools/bench.py latency|throughput|prefill|static|step|startup|stalls|kernels|kvcache [more] [options]
+    python3 tools/bench.py kvcache --no-peer --json kv.json --markdown kv.md   # issue 31's KV-format report
     python3 tools/bench.py --sweep 1,16,64,256          # the sweep alone
     python3 tools/bench.py all --quick --preset tiny --backend cpu      # a smoke run in seconds
 
@@ -58,7 +59,17 @@ otherwise. Workloads:
   those requests as one static batch (`generate` with max_new_tokens = the longest of them) and is credited
   with the tokens those requests asked for, as static batching is; one batch stands for the rest, which
   keeps the peer's share of the run bounded. The points are plotted (PNG) when matplotlib is importable.
-`goals` is latency, throughput, prefill, static, step, startup and stalls; `all` adds kernels.
+- kvcache: issue 31's report on the KV cache's formats (--kv-formats, default bf16,fp8,fp32; each engine's
+  format is otherwise --kv-cache-dtype, default bf16). Per format: the KV blocks (and tokens) an engine
+  gets at gpu_memory_utilization 0.9 (an engine built without its warm-up, read, freed); decode
+  PagedAttention at batch 64 x context 4,096 as the engine launches it (checked against the reference, timed
+  as the kernels workload times it: us and GB/s of K and V read in the format); then an engine at
+  --gpu-memory-utilization: the first-step logits of three random prompts (300, 37 and 9 tokens) and their
+  greedy 32 tokens, and the throughput workload (continuous scheduler; its warm-up first). The logits and tokens of each format
+  are compared with bf16's (the largest logit difference, in absolute terms and against the largest logit;
+  the share of greedy tokens equal) and, when fp32 is among the formats, with fp32's (no KV rounding).
+  Throughput is measured for --kv-throughput formats only (default bf16,fp8).
+`goals` is latency, throughput, prefill, static, step, startup and stalls; `all` adds kernels (not kvcache).
 
 Kernels compile, and decode CUDA graphs are captured, on first use unless the engine did so when it was
 built, so every engine is warmed up before timing: the decode batch passes through every size from
@@ -139,8 +150,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-WORKLOADS = ("latency", "throughput", "prefill", "static", "step", "startup", "stalls", "kernels")
-GOAL_WORKLOADS = WORKLOADS[:-1]   # `goals`: every row of issue 29's goal table
+WORKLOADS = ("latency", "throughput", "prefill", "static", "step", "startup", "stalls", "kernels", "kvcache")
+GOAL_WORKLOADS = WORKLOADS[:7]    # `goals`: every row of issue 29's goal table
+ALL_WORKLOADS = WORKLOADS[:8]     # `all`: the goals and the kernels
+KV_FORMATS = ("bf16", "fp8", "fp32")
 PEERS = ("torch", "hf")
 PEER_WORKLOADS = ("latency", "throughput", "prefill")   # what the HF peer measures (and --sweep)
 TORCH_PEER_WORKLOADS = ("latency", "prefill", "static", "step")
@@ -181,6 +194,8 @@ class Sizes:
     stall_new: int = 32              # stalls: outputs uniform in [stall_new / 2, 2 * stall_new]
     stall_singles: int = 4           # stalls: single requests one after another, after the batches
     startup_timeout_s: float = 300.0  # startup: one process's limit
+    kv_prompts: tuple[int, ...] = (300, 37, 9)   # kvcache: the prompts whose logits and tokens are compared
+    kv_new: int = 32                  # kvcache: greedy tokens per prompt
 
     def max_context(self, job: str) -> int:
         """The longest prompt + output a job's requests reach."""
@@ -193,7 +208,8 @@ class Sizes:
 QUICK = Sizes(latency_prompt=32, latency_new=32, num_requests=16, prompt_lens=(16, 128), output_lens=(16, 64),
               prefill_prompt=256, sweep_prompt=32, sweep_output_lens=(16, 48), runs=2, attention_batch=2,
               attention_context=256, cold_bytes=1 << 20, static_prompt=16, static_new=16, step_context=32,
-              stall_batches=(1, 3, 5), stall_prompt_lens=(5, 100), stall_new=8, stall_singles=2)
+              stall_batches=(1, 3, 5), stall_prompt_lens=(5, 100), stall_new=8, stall_singles=2, kv_prompts=(30, 7, 3),
+              kv_new=8)
 
 
 @dataclass
@@ -209,6 +225,9 @@ class BenchConfig:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.5
     matmul_precision: str = "auto"       # tinyvllm's matmul inputs: auto (the engine's default), fp32 or bf16
+    kv_cache_dtype: str = "bf16"         # the KV cache's format of every engine but kvcache's
+    kv_formats: list[str] = field(default_factory=lambda: list(KV_FORMATS))        # kvcache: the formats
+    kv_throughput: list[str] = field(default_factory=lambda: ["bf16", "fp8"])     # kvcache: throughput for these
     bandwidth_gbs: float | None = None   # the roofline's copy bandwidth; None: measured on the GPU
     peer: bool = True                    # False (--no-peer): no peer at all
     peers: list[str] = field(default_factory=lambda: list(PEERS))   # which peers run (when peer is True)
@@ -273,13 +292,14 @@ def greedy(max_tokens: int):
 class TinyEngine:
     """One tinyvllm LLM (one scheduler, one max_num_seqs); close() gives its device memory back."""
 
-    def __init__(self, cfg: BenchConfig, model_dir: Path, scheduler: str, max_num_seqs: int):
+    def __init__(self, cfg: BenchConfig, model_dir: Path, scheduler: str, max_num_seqs: int, **options):
         from tinyvllm import LLM
 
+        options = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_dtype": cfg.kv_cache_dtype,
+                   **options}   # (kvcache's engines set these)
         self.llm = LLM(model_dir, backend=cfg.backend, scheduler=scheduler, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=cfg.max_num_batched_tokens,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
-                       matmul_precision=cfg.matmul_precision)
+                       max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=False,
+                       matmul_precision=cfg.matmul_precision, **options)
         self.backend = self.llm.engine.runner.name
         self.matmul_precision = self.llm.engine.runner.matmul_precision   # what "auto" became
 
@@ -714,6 +734,138 @@ def time_kernels(cfg: BenchConfig, config, results: dict, emit) -> None:
         emit(results)
 
 
+# -- the KV cache's formats (issue 31) ---------------------------------------------------------------------------
+
+def first_step_logits(llm, prompts: list[list[int]]) -> np.ndarray:
+    """The logits (prompts, vocab) of one prefill step of the prompts, batched, on the engine's runner."""
+    from tinyvllm.scheduler import ScheduledSequence
+    from tinyvllm.sequence import Sequence
+
+    engine = llm.engine
+    seqs = [Sequence(f"logits-{i}", p, greedy(1), 0) for i, p in enumerate(prompts)]
+    scheduled = []
+    for seq in seqs:
+        engine.block_manager.allocate(seq, seq.num_tokens)
+        scheduled.append(ScheduledSequence(seq, seq.num_tokens))
+    try:
+        runner = engine.runner
+        if runner.name == "cpu":   # (the cpu runner keeps no logits: its model's forward gives them)
+            from tinyvllm.batch import pack
+
+            return runner.model.forward(pack(scheduled, runner.block_size)[0], runner.kv)
+        runner.execute(scheduled)
+        return runner.logits[: len(prompts)].copy_to_host()
+    finally:
+        for seq in seqs:
+            engine.block_manager.free_sequence(seq)
+
+
+def kv_capacity(cfg: BenchConfig, model_dir: Path, fmt: str, utilization: float = 0.9) -> dict:
+    """The KV blocks an engine of format fmt gets at this gpu_memory_utilization (built without its warm-up)."""
+    engine = TinyEngine(cfg, model_dir, "continuous", cfg.max_num_seqs, kv_cache_dtype=fmt,
+                        gpu_memory_utilization=utilization, warmup=False)
+    runner = engine.llm.engine.runner
+    blocks, block_size = runner.num_blocks, runner.block_size
+    engine.close()
+    return {"gpu_memory_utilization": utilization, "blocks": blocks, "block_size": block_size,
+            "tokens": blocks * block_size}
+
+
+def run_kvcache(cfg: BenchConfig, model_dir: Path, config, results: dict, emit) -> str:
+    """issue 31's report (see the module docstring, kvcache)."""
+    from tools.kernel_benchmarks import attention
+    from tools.kernel_benchmarks.common import checked_time
+
+    s, high = cfg.sizes, min(cfg.sizes.token_high, config.vocab_size)
+    kv = results["tinyvllm"]["kvcache"] = {"formats": cfg.kv_formats, "capacity": {}, "attention": {},
+                                           "logits": {}, "throughput": {}}
+    results["tinyvllm"].setdefault("backend", "cuda")
+    for fmt in cfg.kv_formats:
+        record(results, f"kvcache capacity {fmt}",
+               lambda: "{blocks} blocks = {tokens} tokens".format(**kv["capacity"].setdefault(
+                   fmt, kv_capacity(cfg, model_dir, fmt))))
+        emit(results)
+    if kernels_unavailable(cfg.backend) is None:
+        heads = (config.num_heads, config.num_kv_heads, config.head_dim)
+        context = min(s.attention_context, config.max_position_embeddings)
+        for fmt in cfg.kv_formats:
+            def attention_row(fmt=fmt):
+                case = attention.engine_decode_case(s.attention_batch, context, heads, 16, fmt)
+                row = kv["attention"][fmt] = kernel_row(case, ATTENTION_TARGET_GBS, checked_time(case))
+                if "time_us" not in row:
+                    raise RuntimeError(row["check"])
+                return f"{row['time_us']:,.1f} us, {row['gb_s']:,.0f} GB/s ({case.shape}; {case.config})"
+            record(results, f"kvcache attention {fmt}", attention_row)
+            emit(results)
+    rng = np.random.default_rng([cfg.seed, 31])
+    prompts = [random_prompt(rng, n, high) for n in s.kv_prompts]
+    requests = random_requests(np.random.default_rng(cfg.seed), s.num_requests, s.prompt_lens, s.output_lens, high)
+    outputs = {}
+    for fmt in cfg.kv_formats:
+        def engine_jobs(fmt=fmt):
+            engine = TinyEngine(cfg, model_dir, "continuous", cfg.max_num_seqs, kv_cache_dtype=fmt)
+            try:
+                logits = first_step_logits(engine.llm, prompts)
+                outs = engine.llm.generate(prompts, greedy(s.kv_new), use_tqdm=False)
+                outputs[fmt] = (logits, [o.outputs[0].token_ids for o in outs])
+                text = f"logits of {len(prompts)} prompts and their greedy tokens"
+                if fmt in cfg.kv_throughput and "throughput" not in kv["throughput"].get(fmt, {}):
+                    max_context = s.max_context("throughput")
+                    warm_up(engine.llm, np.random.default_rng([cfg.seed, 9]), cfg.max_num_seqs, max_context, high)
+                    r = kv["throughput"][fmt] = tv_batch(engine.llm, requests)
+                    text += f"; throughput {r['output_tok_s']:.0f} output tok/s ({r['preemptions']} preemptions)"
+                return text
+            finally:
+                engine.close()
+        record(results, f"kvcache engine {fmt}", engine_jobs)
+        emit(results)
+    for base in ("bf16", "fp32"):
+        if base not in outputs:
+            continue
+        ref_logits, ref_tokens = outputs[base]
+        for fmt, (logits, toks) in outputs.items():
+            if fmt == base:
+                continue
+            diff = float(np.abs(logits - ref_logits).max())
+            same = sum(a == b for x, y in zip(toks, ref_tokens) for a, b in zip(x, y))
+            kv["logits"][f"{fmt} vs {base}"] = {
+                "max_abs_logit_diff": diff, "max_abs_logit": float(np.abs(ref_logits).max()),
+                "relative": diff / float(np.abs(ref_logits).max()),
+                "first_tokens_equal": int(sum(int(np.argmax(a)) == int(np.argmax(b))
+                                              for a, b in zip(logits, ref_logits))),
+                "greedy_tokens_equal": f"{same} of {sum(len(t) for t in ref_tokens)}",
+                "prompts": [len(p) for p in prompts]}
+    emit(results)
+    return "; ".join(f"{k}: largest logit difference {v['max_abs_logit_diff']:.3g} ({v['relative']:.2%} of the "
+                     f"largest logit), greedy tokens equal {v['greedy_tokens_equal']}"
+                     for k, v in kv["logits"].items()) or "no logits compared"
+
+
+def kvcache_markdown(results: dict) -> list[str]:
+    """The kvcache workload's tables (each line after a blank one)."""
+    kv = results["tinyvllm"].get("kvcache")
+    if not kv:
+        return []
+    lines = ["", f"KV cache formats on {results.get('device', '?')}: capacity at gpu_memory_utilization 0.9, decode "
+             "PagedAttention (GB/s of K and V read in the format), the throughput workload, and the quality "
+             "cost (first-step logits of three random prompts; greedy 32 tokens each).", "",
+             "| format | KV blocks at 0.9 | tokens | attention (us) | attention GB/s | throughput (output tok/s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for fmt in kv["formats"]:
+        cap, att, thr = kv["capacity"].get(fmt, {}), kv["attention"].get(fmt, {}), kv["throughput"].get(fmt, {})
+        cells = [f"{cap['blocks']:,}" if cap else "", f"{cap['tokens']:,}" if cap else "",
+                 f"{att['time_us']:,.1f}" if "time_us" in att else att.get("check", ""),
+                 f"{att['gb_s']:,.0f}" if "gb_s" in att else "",
+                 f"{thr['output_tok_s']:,.0f}" if thr else ""]
+        lines.append("| " + " | ".join([fmt, *cells]) + " |")
+    if kv["logits"]:
+        lines += ["", "| formats | largest logit difference | of the largest logit | first tokens equal | "
+                  "greedy tokens equal |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {v['max_abs_logit_diff']:.4g} | {v['relative']:.3%} | {v['first_tokens_equal']} of "
+                  f"{len(v['prompts'])} | {v['greedy_tokens_equal']} |" for k, v in kv["logits"].items()]
+    return lines
+
+
 # -- the peer: a compiled PyTorch Llama (tools/torch_peer.py) ---------------------------------------------------
 
 def torch_peer_unavailable() -> str | None:
@@ -1077,7 +1229,8 @@ def run_bench(cfg: BenchConfig, emit=lambda results: None) -> dict:
     single = {"step": lambda: run_step(cfg, model_dir, results),
               "stalls": lambda: run_stalls(cfg, model_dir, config.vocab_size, results, emit),
               "startup": lambda: run_startup(cfg, model_dir, results),
-              "kernels": lambda: run_kernels(cfg, config, results, emit)}
+              "kernels": lambda: run_kernels(cfg, config, results, emit),
+              "kvcache": lambda: run_kvcache(cfg, model_dir, config, results, emit)}
     for workload, job in single.items():
         if workload in cfg.workloads:
             record(results, f"tinyvllm {workload}", job)
@@ -1294,6 +1447,7 @@ def markdown(results: dict) -> str:
             cells.append(_get(theirs, "sweep", str(b), "output_tok_s"))
             lines.append(f"| {b} | " + " | ".join(_rate(c) if c else "-" for c in cells) + " |")
     lines += kernels_markdown(results)
+    lines += kvcache_markdown(results)
     lines += [f"\nFAILED: {e['job']}: {e['error']}" for e in results["errors"]]
     return "\n".join(lines) + "\n"
 
@@ -1405,6 +1559,12 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--matmul-precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="tinyvllm's matmul inputs: auto (default: the engine's own, bf16 on the GPU), fp32 (exact) "
                         "or rounded to bf16 (as vLLM and HF do)")
+    p.add_argument("--kv-cache-dtype", choices=KV_FORMATS, default="bf16",
+                   help="the KV cache's format of every tinyvllm engine but kvcache's (default bf16)")
+    p.add_argument("--kv-formats", type=lambda text: [x for x in text.split(",") if x], default=list(KV_FORMATS),
+                   metavar="F1,F2,...", help="kvcache: the formats compared (default bf16,fp8,fp32)")
+    p.add_argument("--kv-throughput", type=lambda text: [x for x in text.split(",") if x], default=["bf16", "fp8"],
+                   metavar="F1,F2,...", help="kvcache: the formats whose throughput is measured (default bf16,fp8)")
     p.add_argument("--bandwidth-gbs", type=float,
                    help="the copy bandwidth of the roofline (default: a device-to-device copy measured at the "
                         f"start; without a GPU, {H200_COPY_GBS:,.0f}: the H200's)")
@@ -1424,7 +1584,7 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("--markdown", type=Path, help="write the table here (it is also printed)")
     a = p.parse_args(argv)
-    named = set(a.workloads) | (set(WORKLOADS) if "all" in a.workloads else set()) | \
+    named = set(a.workloads) | (set(ALL_WORKLOADS) if "all" in a.workloads else set()) | \
         (set(GOAL_WORKLOADS) if "goals" in a.workloads else set())
     workloads = [w for w in WORKLOADS if w in named]
     unknown = [w for w in a.workloads if w not in (*WORKLOADS, "goals", "all")]
@@ -1432,6 +1592,8 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
         p.error(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}, goals, all")
     if not a.workloads and not a.sweep:
         p.error(f"name a workload ({', '.join(WORKLOADS)}, goals, all) or give --sweep")
+    if set(a.kv_formats + a.kv_throughput) - set(KV_FORMATS):
+        p.error(f"--kv-formats and --kv-throughput take {', '.join(KV_FORMATS)}")
     if set(a.peers) - set(PEERS):
         p.error(f"unknown peer {sorted(set(a.peers) - set(PEERS))[0]!r} in --peers: choose from torch, hf, none")
     if (any(b < 1 for b in a.sweep + a.static_batches) or a.peer_requests < 1 or a.max_num_seqs < 1
@@ -1443,8 +1605,8 @@ def parse_args(argv: list[str]) -> tuple[BenchConfig, argparse.Namespace]:
                        schedulers=list(SCHEDULERS) if a.scheduler == "both" else [a.scheduler],
                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                        gpu_memory_utilization=a.gpu_memory_utilization, bandwidth_gbs=a.bandwidth_gbs,
-                       matmul_precision=a.matmul_precision,
-                       peer=not a.no_peer, peers=a.peers, peer_requests=a.peer_requests, sweep=a.sweep,
+                       matmul_precision=a.matmul_precision, kv_cache_dtype=a.kv_cache_dtype,
+                       kv_formats=a.kv_formats, kv_throughput=a.kv_throughput, peer=not a.no_peer, peers=a.peers, peer_requests=a.peer_requests, sweep=a.sweep,
                        static_batches=a.static_batches, seed=a.seed,
                        command=shlex.join(["python3", "tools/bench.py", *argv])), a
 

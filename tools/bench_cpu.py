@@ -20,8 +20,11 @@ as tinyvllm's reference widens them) and run greedily. Workloads:
 The model is the embedded default (SmolLM2-135M-Instruct), --model DIR, or with --preset a random model of
 that preset's shapes made in a temporary directory (smollm2-135m has the default model's shapes, so its
 times are the default model's). transformers and torch are optional: without them only tinyvllm is
-measured. NumPy's BLAS takes its thread count from the environment (OPENBLAS_NUM_THREADS, ...), torch from
-torch.set_num_threads; both default to every core. The report names the machine and the thread counts.
+measured. tinyvllm's long prefills run on one thread per core the process may use, each with one BLAS
+thread (reference/parallel.py); otherwise NumPy's BLAS takes its thread count from the environment
+(OPENBLAS_NUM_THREADS, ...). torch takes it from torch.set_num_threads; both default to every core, so
+`taskset -c 0 python tools/bench_cpu.py ...` compares the two on one core. The report names the machine
+and the thread counts.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ try:
 except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from reference.parallel import WORKERS
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.default_model import default_model_dir
 from tinyvllm.random_model import PRESETS, make_random_model
@@ -156,7 +160,7 @@ def machine(peer) -> str:
                  if k in os.environ), "BLAS threads: default")
     torch_part = f", torch {peer[0].__version__} with {peer[0].get_num_threads()} threads" if peer else ""
     return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            f"NumPy {np.__version__} ({blas}){torch_part}")
+            f"NumPy {np.__version__} ({blas}; reference threads: {WORKERS}){torch_part}")
 
 
 def main() -> int:

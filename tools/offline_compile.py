@@ -183,7 +183,7 @@ def one_layer_weights(config) -> dict[str, np.ndarray]:
     return {name: np.zeros(shape, np.uint16) for name, shape in expected_shapes(config).items()}
 
 
-def run_steps(block_size: int, matmul_precision: str) -> None:
+def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf16") -> None:
     from tinyvllm.config import ModelConfig
     from tinyvllm.cuda_runner import CUDARunner
     from tinyvllm.random_model import PRESETS
@@ -194,7 +194,7 @@ def run_steps(block_size: int, matmul_precision: str) -> None:
     config = ModelConfig.from_dict({**PRESETS["llama-3.2-1b"], "num_hidden_layers": 1,
                                     "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     runner = CUDARunner(config, one_layer_weights(config), block_size, 256, 8192, num_blocks=4096,
-                        enforce_eager=True, matmul_precision=matmul_precision)
+                        enforce_eager=True, matmul_precision=matmul_precision, kv_cache_dtype=kv_cache_dtype)
 
     def scheduled(length, new_tokens, temperature):
         seq = Sequence("x", list(range(length)), SamplingParams(temperature=temperature, top_k=5), 0)
@@ -215,7 +215,7 @@ def ptxas_registers(ptxas: Path, ptx: str) -> int:
     return int(re.search(r"Used (\d+) registers", done.stderr)[1])
 
 
-def attention_warps(ptxas: Path, block_size: int) -> int:
+def attention_warps(ptxas: Path, block_size: int, kv_formats=("bf16",)) -> int:
     """The fast decode attention at paged_attention's largest accepted warp count: does the block fit the
     register file? Returns the number of configurations that do not."""
     from numba import types
@@ -223,25 +223,28 @@ def attention_warps(ptxas: Path, block_size: int) -> int:
     from cuda_kernels import paged_attention as pa
 
     registers_per_sm = 65536
-    print("| head_dim | group | lanes/key | warps | kernel | registers | registers x threads |")
-    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    print("| KV format | head_dim | group | lanes/key | warps | kernel | registers | registers x threads |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     bad = 0
     f32_3d, u64_2d, i32_2d = types.float32[:, :, ::1], types.uint64[:, ::1], types.int32[:, ::1]
-    direct_sig = (f32_3d, u64_2d, u64_2d, i32_2d, types.int32[::1], types.float32, f32_3d)
-    split_sig = direct_sig[:6] + (types.int64, types.float32[:, :, :, ::1], types.float32[:, :, ::1],
+    # (q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out)
+    direct_sig = (f32_3d, u64_2d, u64_2d, i32_2d, types.int32[::1], types.float32, types.float32, f32_3d)
+    split_sig = direct_sig[:7] + (types.int64, types.float32[:, :, :, ::1], types.float32[:, :, ::1],
                                   types.float32[:, :, ::1])
-    for d in (8, 40, 64, 128):
-        for group in (1, 2, 3, 4, 5, 7, 8):
-            for lanes in (4, 8):
-                warps = pa.fast_warps(d, group, lanes, most=pa.MAX_FAST_WARPS)
-                kernels = pa._gqa_kernels(d, block_size, 8, group, lanes, warps)
-                for name, kernel, sig in zip(("direct", "split"), kernels, (direct_sig, split_sig)):
-                    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
-                    regs = ptxas_registers(ptxas, ptx)
-                    used = regs * warps * 32
-                    bad += used > registers_per_sm
-                    flag = "" if used <= registers_per_sm else " **too many**"
-                    print(f"| {d} | {group} | {lanes} | {warps} | {name} | {regs} | {used:,}{flag} |", flush=True)
+    for fmt in kv_formats:
+        for d in (8, 40, 64, 128):
+            for group in (1, 2, 3, 4, 5, 7, 8):
+                for lanes in (4, 8):
+                    warps = pa.fast_warps(d, group, lanes, most=pa.FAST_WARPS_BY_FORMAT[fmt])
+                    kernels = pa._gqa_kernels(d, block_size, 8, group, lanes, warps, fmt)
+                    for name, kernel, sig in zip(("direct", "split"), kernels, (direct_sig, split_sig)):
+                        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
+                        regs = ptxas_registers(ptxas, ptx)
+                        used = regs * warps * 32
+                        bad += used > registers_per_sm
+                        flag = "" if used <= registers_per_sm else " **too many**"
+                        print(f"| {fmt} | {d} | {group} | {lanes} | {warps} | {name} | {regs} | {used:,}{flag} |",
+                              flush=True)
     return bad
 
 
@@ -251,6 +254,9 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-warps", action="store_true",
                         help="check the fast decode attention's largest warp count against the register file")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["bf16"], choices=("bf16", "fp32", "fp8"),
+                        help="the KV formats of the runner's steps, or with --attention-warps those whose kernels "
+                             "to check (default bf16)")
     parser.add_argument("--gemv", nargs="+", default=[], metavar="N,K=CONFIG",
                         help="gemv configurations for these weight shapes instead of gemv_config's")
     parser.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="bf16",
@@ -259,11 +265,12 @@ def main() -> int:
     report: list = []
     install(args.cuda_home, report)
     if args.attention_warps:
-        return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size) else 0
+        return 1 if attention_warps(args.cuda_home / "bin" / "ptxas", args.block_size, args.kv_cache_dtype) else 0
     from tools.profile_step import gemv_override, with_gemv_configs
 
-    with_gemv_configs(lambda: run_steps(args.block_size, args.matmul_precision),
-                      dict(gemv_override(t) for t in args.gemv))
+    for fmt in args.kv_cache_dtype:
+        with_gemv_configs(lambda: run_steps(args.block_size, args.matmul_precision, fmt),
+                          dict(gemv_override(t) for t in args.gemv))
     print("| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     failed, seen = 0, set()

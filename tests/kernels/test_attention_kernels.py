@@ -4,7 +4,8 @@
 Every case writes random K/V through random, non-contiguous block tables into caches whose other slots are
 NaN, so a kernel that reads past a context (even inside the last, partly filled block) returns NaN and
 fails. Value kinds cover ordinary scores, large ones (a near one-hot softmax), exactly tied ones and very
-negative ones.
+negative ones. The caches come in every KV format the kernel reads (bf16, fp32, fp8 with and without scales:
+reference/kv_format.py).
 """
 
 import numpy as np
@@ -15,10 +16,11 @@ from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, p
 
 from numba import cuda
 
-from cuda_kernels import attention, gemv, matmul, paged_attention
+from cuda_kernels import attention, gemv, kv_format, matmul, paged_attention
 from reference import paged_attention as ref
-from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
-from reference.kv_cache import BF16_NAN, allocate_kv_cache, kv_cache_write
+from reference.bf16 import f32_to_bf16, round_to_bf16
+from reference.kv_cache import allocate_kv_cache, kv_cache_write
+from reference.kv_format import NANS, kv_decode, round_kv
 from reference.rope import rope_tables
 from tinyvllm.cuda_graph import CUDAGraph
 
@@ -29,6 +31,9 @@ kinds = st.sampled_from(KINDS)
 heads = st.sampled_from(pick([(1, 1), (2, 1), (1, 3), (1, 4), (2, 2)], [(8, 4), (8, 1), (8, 3), (2, 4), (1, 3)]))
 head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
 block_sizes = st.sampled_from(pick([1, 3, 16], [16, 32, 16, 5]))
+# (format, k_scale, v_scale): every KV format, fp8 with its engine scales (1) and others; bf16 twice (the default)
+KV_FORMATS = [("bf16", 1.0, 1.0), ("bf16", 1.0, 1.0), ("fp32", 1.0, 1.0), ("fp8", 1.0, 1.0), ("fp8", 0.07, 3.0)]
+kv_formats = st.sampled_from(KV_FORMATS)
 
 
 def decode_contexts(shortest=1):
@@ -55,17 +60,20 @@ def prefill_chunks():
 # inputs and tolerances
 
 
-def make_cache(rng, contexts, block_size, hkv, d, kind, spare_blocks=3):
+def make_cache(rng, contexts, block_size, hkv, d, kind, spare_blocks=3, fmt=("bf16", 1.0, 1.0)):
     """K/V for each context written through random non-contiguous block tables; every other slot is NaN.
+    fmt: (KV format, k_scale, v_scale).
 
-    Returns k_cache, v_cache, block_tables, and per sequence the bf16-rounded (ctx, Hkv, d) K and V, plus one
-    unit-ish direction per KV head that the 'negative' kind aligns the queries against."""
+    Returns k_cache, v_cache, block_tables, and per sequence the (ctx, Hkv, d) K and V as the cache holds them
+    (rounded to the format), plus one unit-ish direction per KV head that the 'negative' kind aligns the
+    queries against."""
+    fmt, k_scale, v_scale = fmt
     blocks_needed = [-(-c // block_size) for c in contexts]
     num_blocks = sum(blocks_needed) + spare_blocks
     perm = rng.permutation(num_blocks)
     tables = np.full((len(contexts), max(max(blocks_needed), 1)), -1, np.int32)
-    k_cache = allocate_kv_cache(num_blocks, block_size, hkv, d)
-    v_cache = allocate_kv_cache(num_blocks, block_size, hkv, d)
+    k_cache = allocate_kv_cache(num_blocks, block_size, hkv, d, fmt)
+    v_cache = allocate_kv_cache(num_blocks, block_size, hkv, d, fmt)
     direction = rng.standard_normal((hkv, d)).astype(np.float32)
     ks, vs, used = [], [], 0
     for s, ctx in enumerate(contexts):
@@ -80,9 +88,9 @@ def make_cache(rng, contexts, block_size, hkv, d, kind, spare_blocks=3):
         v = rng.standard_normal((ctx, hkv, d), dtype=np.float32)
         j = np.arange(ctx)
         kv_cache_write(np.ascontiguousarray(k, np.float32), v, k_cache, v_cache,
-                       tables[s, j // block_size] * block_size + j % block_size)
-        ks.append(round_to_bf16(k))
-        vs.append(round_to_bf16(v))
+                       tables[s, j // block_size] * block_size + j % block_size, k_scale, v_scale)
+        ks.append(round_kv(k, fmt, k_scale))
+        vs.append(round_kv(v, fmt, v_scale))
     return k_cache, v_cache, tables, ks, vs, direction
 
 
@@ -125,12 +133,12 @@ def decode_atol(q, ks, vs, scale, group):
     return attention_atol([q[s:s + 1] for s in range(len(q))], ks, vs, scale, group)
 
 
-def decode_case(seed, contexts, hg, d, block_size, kind):
+def decode_case(seed, contexts, hg, d, block_size, kind, fmt=("bf16", 1.0, 1.0)):
     """One decode batch: queries (S, Hkv * G, d), the paged cache, block tables, context lengths, and the
-    bf16-rounded K and V per sequence (for tolerances). hg = (Hkv, G)."""
+    K and V per sequence as the cache holds them (for tolerances). hg = (Hkv, G); fmt as make_cache's."""
     rng = np.random.default_rng(seed)
     hkv, group = hg
-    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind)
+    k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, contexts, block_size, hkv, d, kind, fmt=fmt)
     q = make_queries(rng, len(contexts), hkv, group, d, kind, direction)
     return q, k_cache, v_cache, tables, np.array(contexts, np.int32), ks, vs
 
@@ -144,16 +152,18 @@ def devices(*arrays):
 
 
 @settings(max_examples=examples(6, 30))
-@given(seeds, decode_contexts(shortest=0), heads, head_dims, block_sizes, kinds)
+@given(seeds, decode_contexts(shortest=0), heads, head_dims, block_sizes, kinds, kv_formats)
 # always: padding, a one-token and a multi-block context in one batch, two KV heads of two query heads, and a
 # head_dim over 32 (lanes own two dims, the second one masked for lanes past d)
-@example(seed=3, contexts=[0, 1, 45], hg=(2, 2), d=40, block_size=3, kind="normal")
-def test_paged_attention_walk_matches_reference(seed, contexts, hg, d, block_size, kind):
-    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
+@example(seed=3, contexts=[0, 1, 45], hg=(2, 2), d=40, block_size=3, kind="normal", fmt=KV_FORMATS[0])
+@example(seed=4, contexts=[0, 7], hg=(1, 3), d=16, block_size=3, kind="normal", fmt=KV_FORMATS[-1])
+def test_paged_attention_walk_matches_reference(seed, contexts, hg, d, block_size, kind, fmt):
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind, fmt)
     scale = 1 / np.sqrt(d)
     out = to_device(np.full(q.shape, np.nan, np.float32))
-    paged_attention.paged_attention_walk(*devices(q, k_cache, v_cache, tables, lens), scale, out)
-    want = decode_reference(q, k_cache, v_cache, tables, lens, scale)
+    paged_attention.paged_attention_walk(*devices(q, k_cache, v_cache, tables, lens), scale, out,
+                                         k_scale=fmt[1], v_scale=fmt[2])
+    want = decode_reference(q, k_cache, v_cache, tables, lens, scale, fmt)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, hg[1]), rtol=4 * F32_EPS)
 
 
@@ -187,12 +197,12 @@ fast_head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
 fast_splits = st.sampled_from(pick(["none", "policy", 1, 2, 3], ["none", "policy", "policy", 1, 4, 33]))
 
 
-def decode_reference(q, k_cache, v_cache, tables, lens, scale):
+def decode_reference(q, k_cache, v_cache, tables, lens, scale, fmt=("bf16", 1.0, 1.0)):
     """ref.paged_attention, and zeros for the padding slots (context 0)."""
     want = np.zeros(q.shape, np.float32)
     live = lens > 0
     if live.any():
-        want[live] = ref.paged_attention(q[live], k_cache, v_cache, tables[live], lens[live], scale)
+        want[live] = ref.paged_attention(q[live], k_cache, v_cache, tables[live], lens[live], scale, *fmt[1:])
     return want
 
 
@@ -203,16 +213,25 @@ fast_warp_counts = st.sampled_from(pick([None, 1, 3], [None, 8, "most"]))
 
 @settings(max_examples=examples(10, 80))
 @given(seeds, decode_contexts(shortest=0), fast_heads, fast_head_dims, st.sampled_from([16, 32]), kinds,
-       st.sampled_from([4, 8]), fast_splits, fast_warp_counts)
+       st.sampled_from([4, 8]), fast_splits, fast_warp_counts, kv_formats)
 # always: padding, a one-token and a multi-block context in one batch, split into several partitions; a group
-# of 5 query heads (two blocks, the second one short) and a head_dim that is not a multiple of 4 words
-@example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1, warps=None)
-@example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none", warps=3)
-def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split, warps):
-    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind)
+# of 5 query heads (two blocks, the second one short) and a head_dim that is not a multiple of 4 words; fp32
+# and scaled fp8 caches (2 and 8 elements per word: a row of 3 and of 1 words for 8 lanes)
+@example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1, warps=None,
+         fmt=KV_FORMATS[0])
+@example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none", warps=3,
+         fmt=KV_FORMATS[0])
+@example(seed=3, contexts=[0, 40], hg=(1, 3), d=24, block_size=16, kind="normal", lanes=8, split=1, warps=None,
+         fmt=KV_FORMATS[2])
+@example(seed=4, contexts=[19, 50], hg=(1, 4), d=8, block_size=16, kind="normal", lanes=4, split="none", warps=None,
+         fmt=KV_FORMATS[4])
+def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split, warps,
+                                                fmt):
+    q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind, fmt)
     hkv, group = hg
     if warps is not None:
-        most = paged_attention.fast_warps(d, group, lanes, most=pick(4, paged_attention.MAX_FAST_WARPS))
+        most = paged_attention.fast_warps(d, group, lanes,
+                                          most=pick(4, paged_attention.FAST_WARPS_BY_FORMAT[fmt[0]]))
         warps = most if warps == "most" else min(warps, most)
     scale = 1 / np.sqrt(d)
     s, hq = q.shape[:2]
@@ -227,29 +246,31 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
         workspace = to_device(np.full(max(size, 1), np.nan, np.float32))
     out = device_empty(q.shape, np.float32)
     paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out, workspace=workspace,
-                                    partition_blocks=partition_blocks, lanes_per_key=lanes, warps=warps)
-    want = decode_reference(q, k_cache, v_cache, tables, lens, scale)
+                                    partition_blocks=partition_blocks, lanes_per_key=lanes, warps=warps,
+                                    k_scale=fmt[1], v_scale=fmt[2])
+    want = decode_reference(q, k_cache, v_cache, tables, lens, scale, fmt)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
 
 @settings(max_examples=examples(4, 10))
-@given(seeds, st.lists(st.integers(1, pick(40, 128)), min_size=1, max_size=pick(2, 8)), st.booleans())
-@example(seed=3, contexts=[1, 17, 40], split=True)
-def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, split):
+@given(seeds, st.lists(st.integers(1, pick(40, 128)), min_size=1, max_size=pick(2, 8)), st.booleans(), kv_formats)
+@example(seed=3, contexts=[1, 17, 40], split=True, fmt=KV_FORMATS[0])
+def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, split, fmt):
     """A decode layer's QKV and attention as the engine runs them (one CUDA graph on the GPU, so that under
     PDL the attention kernel's first loads overlap the gemv): gemv.gemv_rope writes each sequence's newest
     key, at position ctx - 1, into a slot that holds NaN until then, and paged_attention must use the new
     key. Its loads before the wait skip that key (it is in their first round for these short contexts) and
     fetch it after; a kernel that read it early would return NaN. split: the split kernel, a partition per
-    KV block."""
+    KV block. fmt: the KV format (the gemv writes it, the attention reads it)."""
     hq, hkv, d, k, bs = pick((4, 2, 8, 24, 4), (32, 8, 64, 2048, 16))
     rng = np.random.default_rng(seed)
-    k_cache, v_cache, tables, _, _, _ = make_cache(rng, contexts, bs, hkv, d, "normal")
+    k_cache, v_cache, tables, _, _, _ = make_cache(rng, contexts, bs, hkv, d, "normal", fmt=fmt)
+    scales = dict(k_scale=fmt[1], v_scale=fmt[2])
     lens = np.array(contexts, np.int32)
     positions = lens - 1
     slots = (tables[np.arange(len(lens)), positions // bs] * bs + positions % bs).astype(np.int32)
-    k_cache[slots // bs, slots % bs] = BF16_NAN   # the newest keys are the gemv's to write
-    v_cache[slots // bs, slots % bs] = BF16_NAN
+    k_cache[slots // bs, slots % bs] = NANS[fmt[0]]   # the newest keys are the gemv's to write
+    v_cache[slots // bs, slots % bs] = NANS[fmt[0]]
     x = rng.standard_normal((len(lens), k), dtype=np.float32)
     w = f32_to_bf16(rng.standard_normal(((hq + 2 * hkv) * d, k), dtype=np.float32) / np.float32(np.sqrt(k)))
     cos, sin = rope_tables(d, 256, 500000.0)
@@ -261,9 +282,10 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
     scale = 1 / np.sqrt(d)
 
     def layer(stream):
-        gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul.gemv_config(len(lens), *w.shape))
+        gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul.gemv_config(len(lens), *w.shape),
+                       **scales)
         paged_attention.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
-                                        workspace=workspace, partition_blocks=1 if split else None)
+                                        workspace=workspace, partition_blocks=1 if split else None, **scales)
 
     stream = cuda.stream()
     layer(stream)   # in the simulator the test; on the GPU it compiles what the capture needs
@@ -274,14 +296,14 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
         CUDAGraph(layer, stream).replay()
     stream.synchronize()
     q_got, k_got, v_got = q.copy_to_host(), k_dev.copy_to_host(), v_dev.copy_to_host()
-    assert not np.isnan(bf16_to_f32(k_got[slots // bs, slots % bs])).any()   # the gemv wrote the newest keys
+    assert not np.isnan(kv_decode(k_got[slots // bs, slots % bs])).any()   # the gemv wrote the newest keys
     ks, vs = [], []
     for s_, ctx in enumerate(contexts):
         j = np.arange(ctx)
         blocks, offsets = tables[s_, j // bs], j % bs
-        ks.append(bf16_to_f32(k_got[blocks, offsets]))
-        vs.append(bf16_to_f32(v_got[blocks, offsets]))
-    want = decode_reference(q_got, k_got, v_got, tables, lens, scale)
+        ks.append(kv_decode(k_got[blocks, offsets], fmt[1]))
+        vs.append(kv_decode(v_got[blocks, offsets], fmt[2]))
+    want = decode_reference(q_got, k_got, v_got, tables, lens, scale, fmt)
     assert_close(out, want, atol=decode_atol(q_got, ks, vs, scale, hq // hkv), rtol=4 * F32_EPS)
 
 
@@ -448,38 +470,41 @@ def test_split_workspace_shapes():
 # prefill
 
 
-def run_prefill(launcher, rng, chunks, hkv, group, d, block_size, kind):
+def run_prefill(launcher, rng, chunks, hkv, group, d, block_size, kind, fmt=("bf16", 1.0, 1.0)):
     q_lens = [n for n, _ in chunks]
     contexts = [n + cached for n, cached in chunks]
     k_cache, v_cache, tables, ks, vs, direction = make_cache(rng, [max(c, 1) for c in contexts], block_size,
-                                                             hkv, d, kind)
+                                                             hkv, d, kind, fmt=fmt)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = make_queries(rng, int(cu[-1]), hkv, group, d, kind, direction)
     lens = np.array(contexts, np.int32)
     scale = 1 / np.sqrt(d)
     out = device_empty(q.shape, np.float32)
-    launcher(*devices(q, k_cache, v_cache, tables, cu, lens), scale, out, max(q_lens))
-    want = ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
+    launcher(*devices(q, k_cache, v_cache, tables, cu, lens), scale, out, max(q_lens), k_scale=fmt[1],
+             v_scale=fmt[2])
+    want = ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, *fmt[1:])
     atol = attention_atol([q[cu[s]:cu[s + 1]] for s in range(len(chunks))], ks, vs, scale, group)
     assert_close(out, want, atol=atol, rtol=4 * F32_EPS)
 
 
 @settings(max_examples=examples(10, 60))
-@given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds)
-@example(seed=1, chunks=[(9, 60), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal")
-def test_prefill_attention_matches_reference(seed, chunks, hg, d, block_size, kind):
-    run_prefill(attention.prefill_attention, np.random.default_rng(seed), chunks, *hg, d, block_size, kind)
+@given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds, kv_formats)
+@example(seed=1, chunks=[(9, 60), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", fmt=KV_FORMATS[0])
+@example(seed=2, chunks=[(5, 30)], hg=(1, 3), d=24, block_size=3, kind="normal", fmt=KV_FORMATS[2])
+@example(seed=3, chunks=[(4, 33), (2, 0)], hg=(1, 2), d=8, block_size=16, kind="normal", fmt=KV_FORMATS[4])
+def test_prefill_attention_matches_reference(seed, chunks, hg, d, block_size, kind, fmt):
+    run_prefill(attention.prefill_attention, np.random.default_rng(seed), chunks, *hg, d, block_size, kind, fmt)
 
 
 @settings(max_examples=examples(5, 30))
-@given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds)
-def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_size, kind):
+@given(seeds, prefill_chunks(), heads, head_dims, block_sizes, kinds, kv_formats)
+def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_size, kind, fmt):
     if SIM:  # one simulated block per (query token, head): keep the batch small
         chunks = [(min(n, 6), cached) for n, cached in chunks]
         if not any(n for n, _ in chunks):
             chunks[0] = (1, chunks[0][1])
     run_prefill(attention.prefill_attention_naive, np.random.default_rng(seed), chunks, *hg, d, block_size,
-                kind)
+                kind, fmt)
 
 
 # The tensor-core kernel needs head_dim in attention.TC_HEAD_DIMS (multiples of 16). In the simulator its 16-key
@@ -488,17 +513,21 @@ tc_head_dims = st.sampled_from(pick([16, 32], [64, 64, 128, 16, 32]))
 
 
 @settings(max_examples=examples(6, 60))
-@given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]))
-@example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None)
-def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size, kind, keys):
+@given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]),
+       st.sampled_from([f for f in KV_FORMATS if f[0] in attention.TC_FORMATS]))
+@example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None,
+         fmt=KV_FORMATS[0])
+@example(seed=2, chunks=[(5, 20)], hg=(1, 3), d=16, block_size=3, kind="normal", keys=None, fmt=KV_FORMATS[4])
+def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size, kind, keys, fmt):
     """keys: the launcher's keys_per_tile override (None: tc_config's); 128-dim heads keep their own (at 32
-    keys their accumulators spill registers; at 64 the tiles pass 48 KB of shared memory)."""
+    keys their accumulators spill registers; at 64 the tiles pass 48 KB of shared memory). fp8 caches are
+    staged as bf16 (exact); fp32 ones are refused (test_kv_formats_the_simple_kernels_refuse)."""
     keys = None if d > 64 else keys
 
-    def launcher(*args):
-        attention.prefill_attention_tc(*args, keys_per_tile=keys)
+    def launcher(*args, **scales):
+        attention.prefill_attention_tc(*args, keys_per_tile=keys, **scales)
 
-    run_prefill(launcher, np.random.default_rng(seed), chunks, *hg, d, block_size, kind)
+    run_prefill(launcher, np.random.default_rng(seed), chunks, *hg, d, block_size, kind, fmt)
 
 
 @pytest.mark.parametrize("chunks", pick([[(5, 0)], [(3, 3), (4, 0)], [(2, 9)]],
@@ -552,7 +581,7 @@ def test_bf16x4_unpacking_device_version():
     words = f32_to_bf16(values).view(np.uint64)
     for i, word in enumerate(words):
         want = round_to_bf16(values[4 * i: 4 * i + 4])
-        for fn in (attention.unpack_bf16x4_device, attention.unpack_bf16x4):
+        for fn in (kv_format.unpack_bf16x4_device, kv_format.unpack_bf16x4):
             got = np.array(fn(word), np.float32)
             assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
 
@@ -574,7 +603,8 @@ def _decode_args(**changes):
     (dict(q=np.zeros((2, 4), np.float32)), "q: expected"),
     (dict(q=np.zeros((2, 4, 12), np.float32), out=np.zeros((2, 4, 12), np.float32)), "multiple of 8"),
     (dict(q=np.zeros((2, 4, 136), np.float32), out=np.zeros((2, 4, 136), np.float32)), "multiple of 8"),
-    (dict(k_cache=np.zeros((3, 4, 2, 16), np.float32)), "k_cache"),
+    (dict(k_cache=np.zeros((3, 4, 2, 16), np.float16)), "k_cache"),
+    (dict(k_cache=np.zeros((3, 4, 2, 16), np.float32)), "v_cache: expected .* float32"),
     (dict(k_cache=np.zeros((3, 4, 2, 8), np.uint16)), "k_cache"),
     (dict(v_cache=np.zeros((3, 4, 1, 16), np.uint16)), "v_cache"),
     (dict(k_cache=np.zeros((3, 4, 3, 16), np.uint16), v_cache=np.zeros((3, 4, 3, 16), np.uint16)),
@@ -657,6 +687,31 @@ def test_prefill_tc_launcher_errors(d, keys, message):
                    k_cache=np.zeros((3, 4, 2, d), np.uint16), v_cache=np.zeros((3, 4, 2, d), np.uint16))
     with pytest.raises(ValueError, match=message):
         attention.prefill_attention_tc(**_prefill_args(**changes), keys_per_tile=keys)
+
+
+def test_kv_formats_the_simple_kernels_refuse():
+    """v1 and split read bf16 only, the tensor-core prefill bf16 and fp8; the scales are fp8's alone. Each says
+    so, naming the kernels that take the format."""
+    for fmt in ("fp32", "fp8"):
+        caches = dict(k_cache=np.zeros((3, 4, 2, 16), kv_format.DTYPES[fmt]),
+                      v_cache=np.zeros((3, 4, 2, 16), kv_format.DTYPES[fmt]))
+        with pytest.raises(ValueError, match="reads bf16 caches only.*take every format"):
+            paged_attention.paged_attention_v1(**_decode_args(**caches))
+        work = [device_empty(shape, np.float32) for shape in ((2, 4, 2, 16), (2, 4, 2), (2, 4, 2))]
+        with pytest.raises(ValueError, match="reads bf16 caches only"):
+            paged_attention.paged_attention_split(**_decode_args(**caches), partial_out=work[0],
+                                                  partial_max=work[1], partial_sum=work[2], partition_size=4)
+    with pytest.raises(ValueError, match="prefill_attention_tc reads bf16 and fp8 caches, got fp32"):
+        attention.prefill_attention_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
+                                                       v_cache=np.zeros((3, 4, 2, 16), np.float32)))
+    fp32 = dict(k_cache=np.zeros((3, 4, 2, 16), np.float32), v_cache=np.zeros((3, 4, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="warps must be 1 to 8 "):   # the fp32 kernels' register bound
+        paged_attention.paged_attention(**_decode_args(**fp32), warps=9)
+    with pytest.raises(ValueError, match="a bf16 cache takes 1.0"):
+        paged_attention.paged_attention(**_decode_args(), k_scale=0.5)
+    with pytest.raises(ValueError, match="positive and finite"):
+        attention.prefill_attention(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.uint8),
+                                                    v_cache=np.zeros((3, 4, 2, 16), np.uint8)), v_scale=-1.0)
 
 
 def _prefill_args(**changes):

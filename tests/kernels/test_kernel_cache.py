@@ -34,6 +34,10 @@ kernels = {
     "planes": gp._planes_kernel(True),
     "gemv": gemv._gemv_kernel(1, 4, 4, 4, 2, True, False),
     "gemv rope": gemv._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64),
+    "gemv rope fp8": gemv._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64, "fp8"),
+    "gemv rope fp32": gemv._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64, "fp32"),
+    "decode attention": pa._gqa_kernels(64, 16, 8, 4, 8, 4)[0],
+    "decode attention fp8": pa._gqa_kernels(64, 16, 8, 4, 8, 4, "fp8")[0],
 }
 print(json.dumps({name: kernel_cache._stable(k) for name, k in kernels.items()}))
 """

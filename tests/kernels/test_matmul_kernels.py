@@ -28,6 +28,7 @@ from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, STATIC_SHARED_LIMIT
 from cuda_kernels.primitives import WARP
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache
+from reference.kv_format import kv_decode
 from reference.matmul import bf16_planes as reference_bf16_planes
 from reference.matmul import matmul as reference_matmul
 from reference.matmul import matmul_rope_kv_write as reference_matmul_rope_kv_write
@@ -245,9 +246,17 @@ def test_gemv_gated_checks():
         gv.gemv(x, w, device_empty((1, 3), np.float32), config=gv.GemvConfig(2, 1, 1, 1), gated=True)
 
 
-def rope_case(seed, m, heads, k, block_size):
+# (KV format, k_scale, v_scale) of the caches the QKV epilogue writes: bf16 twice (the default), fp32, fp8 scaled
+ROPE_FORMATS = [("bf16", 1.0, 1.0), ("bf16", 1.0, 1.0), ("fp32", 1.0, 1.0), ("fp8", 0.3, 2.0)]
+rope_formats = st.sampled_from(ROPE_FORMATS)
+# how far a stored value may move when the fp32 value before its rounding moves a little: one step of the format
+# (relative), and fp8's subnormal step (absolute, times the scale)
+ROUNDING_STEP = {"bf16": (2 ** -7, 0.0), "fp32": (0.0, 0.0), "fp8": (2 ** -3, 2 ** -9)}
+
+
+def rope_case(seed, m, heads, k, block_size, fmt=ROPE_FORMATS[0]):
     """x, the fused QKV weight, the RoPE tables (llama3-scaled), positions, slots (one -1 when m > 1) and
-    NaN-poisoned caches for `m` tokens of `heads` = (Hq, Hkv, d)."""
+    NaN-poisoned caches in format fmt[0] for `m` tokens of `heads` = (Hq, Hkv, d)."""
     hq, hkv, d = heads
     rng = np.random.default_rng(seed)
     x, w = make_inputs(seed, m, (hq + 2 * hkv) * d, k)
@@ -258,34 +267,40 @@ def rope_case(seed, m, heads, k, block_size):
     slots = rng.permutation(num_blocks * block_size)[:m].astype(np.int32)
     if m > 1:
         slots[rng.integers(0, m)] = -1  # a padding token writes nothing
-    return x, w, cos, sin, positions, slots, allocate_kv_cache(num_blocks, block_size, hkv, d)
+    return x, w, cos, sin, positions, slots, allocate_kv_cache(num_blocks, block_size, hkv, d, fmt[0])
 
 
-def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num_heads, bf16_inputs):
+def check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, num_heads, bf16_inputs,
+               fmt=ROPE_FORMATS[0]):
     """q_out and the caches == reference.matmul.matmul_rope_kv_write. Each dot product carries its summation
     error (dot_tolerance); a rotated value a c - b s adds those of its pair (|c|, |s| <= 1) and a few ulps of
-    |a| + |b|; K and V add the bf16 rounding of the moved value (one bf16 ulp, 2^-7 relative). Slots not
-    written keep their NaN bit for bit."""
+    |a| + |b|; K and V add the rounding of the moved value to the cache's format (one step: bf16 2^-7 relative,
+    fp32 none, fp8 2^-3 relative or its subnormal step). Slots not written keep their NaN bit for bit."""
+    fmt, k_scale, v_scale = fmt
     k_ref, v_ref = cache.copy(), cache.copy()
-    q_ref = reference_matmul_rope_kv_write(x, w, positions, cos, sin, k_ref, v_ref, slots, num_heads, bf16_inputs)
+    q_ref = reference_matmul_rope_kv_write(x, w, positions, cos, sin, k_ref, v_ref, slots, num_heads, bf16_inputs,
+                                           k_scale, v_scale)
     tol, bound = rope_bounds(x, w, cache.shape[3], bf16_inputs)   # (M, Hq + 2 Hkv, d) each
     hkv = cache.shape[2]
     got_q = q_out.copy_to_host()
     assert np.all(np.abs(got_q - q_ref) <= bound[:, :num_heads]), "q"
-    for name, got, want, part in (("K", k_dev.copy_to_host(), k_ref, slice(num_heads, num_heads + hkv)),
-                                  ("V", v_dev.copy_to_host(), v_ref, slice(num_heads + hkv, None))):
+    rel, sub = ROUNDING_STEP[fmt]
+    for name, got, want, part, scale in (
+            ("K", k_dev.copy_to_host(), k_ref, slice(num_heads, num_heads + hkv), k_scale),
+            ("V", v_dev.copy_to_host(), v_ref, slice(num_heads + hkv, None), v_scale)):
         written = slots >= 0
         blocks, offsets = slots[written] // cache.shape[1], slots[written] % cache.shape[1]
-        g, r = bf16_to_f32(got[blocks, offsets]), bf16_to_f32(want[blocks, offsets])
+        g, r = kv_decode(got[blocks, offsets], scale), kv_decode(want[blocks, offsets], scale)
         if name == "V":  # V is not rotated: its own dot's tolerance
             b = tol[written][:, part]
         else:
             b = bound[written][:, part]
         err = np.abs(g.astype(np.float64) - r)
-        assert np.all(err <= b + 2 ** -7 * np.abs(r)), f"{name}: worst {err.max():.3g}"
+        assert np.all(err <= b + rel * np.abs(r) + sub * scale), f"{name}: worst {err.max():.3g}"
         untouched = np.ones(cache.shape[:2], bool)
         untouched[blocks, offsets] = False
-        assert np.array_equal(got[untouched], cache[untouched]), f"{name}: a slot not in slot_mapping was written"
+        assert np.array_equal(got[untouched].view(np.uint8), cache[untouched].view(np.uint8)), \
+            f"{name}: a slot not in slot_mapping was written"
 
 
 rope_heads = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (2, 2, 8)], [(32, 8, 64), (9, 3, 64), (24, 8, 128), (4, 4, 64)]))
@@ -299,30 +314,32 @@ if not SIM:
 @pytest.mark.parametrize("config", ROPE_CONFIGS)
 @settings(max_examples=examples(3, 4))
 @given(seeds, st.sampled_from([1, 2, 3, 8]), rope_heads, st.sampled_from(pick([4, 20, 70], [2048, 1000, 8192])),
-       st.sampled_from([4, 16]), st.booleans())
-def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs):
+       st.sampled_from([4, 16]), st.booleans(), rope_formats)
+def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs, fmt):
     """The QKV gemv with rope_kv_write as its epilogue: every head's pairs (i, i + d/2) rotated, q written,
-    K and V in their slots (a padding token's slot -1 writes nothing), K with and without a uint64 view."""
-    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, block_size)
+    K and V in their slots in the cache's format (a padding token's slot -1 writes nothing), K with and
+    without a uint64 view."""
+    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, block_size, fmt)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
     config = mm.gemv_config(m, w.shape[0], k) if config == POLICY else config
     gv.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
-                 to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs)
-    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
+                 to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs, k_scale=fmt[1], v_scale=fmt[2])
+    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs, fmt)
 
 
 @settings(max_examples=examples(3, 6))
-@given(seeds, st.sampled_from(pick([1, 20], [1, 8, 64])), st.booleans())
-def test_matmul_rope_kv_write_dispatch(seed, m, bf16_inputs):
+@given(seeds, st.sampled_from(pick([1, 20], [1, 8, 64])), st.booleans(), rope_formats)
+def test_matmul_rope_kv_write_dispatch(seed, m, bf16_inputs, fmt):
     """The engine's entry point: gemv_rope at decode sizes, matmul + rope.rope_kv_write above."""
     heads, k = pick(((2, 1, 8), 24), ((32, 8, 64), 2048))
-    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, 16)
+    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, 16, fmt)
     q_out, scratch = device_empty((m, heads[0], heads[2]), np.float32), device_empty((64, w.shape[0]), np.float32)
     k_dev, v_dev = to_device(cache), to_device(cache)
     mm.matmul_rope_kv_write(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin),
-                            k_dev, v_dev, to_device(slots), q_out, scratch, bf16_inputs=bf16_inputs)
-    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
+                            k_dev, v_dev, to_device(slots), q_out, scratch, bf16_inputs=bf16_inputs,
+                            k_scale=fmt[1], v_scale=fmt[2])
+    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs, fmt)
 
 
 def test_gemv_rope_checks():
@@ -395,17 +412,18 @@ def test_gemv_staged_gated(config, seed, m, fk, bf16_inputs):
 @pytest.mark.parametrize("config", STAGED_PAIRED_CONFIGS)
 @settings(max_examples=examples(2, 4))
 @given(seeds, st.sampled_from([1, 2, 8]), rope_heads, st.sampled_from(pick([8, 136], [2048, 1024])),
-       st.sampled_from([4, 16]), st.booleans())
-@example(seed=0, m=8, heads=pick((2, 1, 8), (32, 8, 64)), k=pick(136, 2048), block_size=4, bf16_inputs=False)
-def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs):
+       st.sampled_from([4, 16]), st.booleans(), rope_formats)
+@example(seed=0, m=8, heads=pick((2, 1, 8), (32, 8, 64)), k=pick(136, 2048), block_size=4, bf16_inputs=False,
+         fmt=ROPE_FORMATS[0])
+def test_gemv_staged_rope(config, seed, m, heads, k, block_size, bf16_inputs, fmt):
     """The RoPE + KV-write epilogue on the staged gemv, whose position, cos, sin and slot are read before the
-    PDL wait: rotated q, K and V in their slots, a padding token's slot untouched."""
-    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, staged_k(config, k, m), block_size)
+    PDL wait: rotated q, K and V in their slots in the cache's format, a padding token's slot untouched."""
+    x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, staged_k(config, k, m), block_size, fmt)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
     gv.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
-                 to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs)
-    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs)
+                 to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs, k_scale=fmt[1], v_scale=fmt[2])
+    check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs, fmt)
 
 
 def test_gemv_staged_checks():

@@ -13,8 +13,9 @@ from reference import embedding as ref_embedding
 from reference import rmsnorm as ref_rmsnorm
 from reference.matmul import bf16_planes as reference_bf16_planes
 from reference import rope as ref_rope
-from reference.bf16 import bf16_to_f32, f32_to_bf16
+from reference.bf16 import f32_to_bf16
 from reference.kv_cache import allocate_kv_cache
+from reference.kv_format import kv_decode
 
 seeds = st.integers(0, 2**32 - 1)
 hidden = sizes(70, [2048, 576], 3000)
@@ -126,9 +127,16 @@ head_shapes = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (4, 1, 16), (2, 2, 8)]
                                    [(32, 8, 64), (9, 3, 64), (24, 8, 128), (4, 4, 64)]))
 
 
+# (KV format, k_scale, v_scale) of the caches rope_kv_write fills: bf16 twice (the default), fp32, fp8 scaled
+KV_FORMATS = [("bf16", 1.0, 1.0), ("bf16", 1.0, 1.0), ("fp32", 1.0, 1.0), ("fp8", 1.0, 1.0), ("fp8", 0.04, 5.0)]
+# one step of each format at a value (relative) and below fp8's normals (absolute, times the scale)
+ROUNDING_STEP = {"bf16": (2 ** -7, 0.0), "fp32": (0.0, 0.0), "fp8": (2 ** -3, 2 ** -9)}
+
+
 @settings(max_examples=examples(12, 40))
-@given(seeds, tokens, head_shapes, st.sampled_from([4, 16, 32]), st.booleans())
-def test_rope_kv_write(seed, t, heads, block_size, scaled):
+@given(seeds, tokens, head_shapes, st.sampled_from([4, 16, 32]), st.booleans(), st.sampled_from(KV_FORMATS))
+def test_rope_kv_write(seed, t, heads, block_size, scaled, fmt):
+    fmt, k_scale, v_scale = fmt
     hq, hkv, d = heads
     rng = np.random.default_rng(seed)
     max_pos = pick(200, 9000)
@@ -139,25 +147,27 @@ def test_rope_kv_write(seed, t, heads, block_size, scaled):
     slots = rng.permutation(num_blocks * block_size)[:t].astype(np.int32)
     if t > 1:
         slots[rng.integers(0, t)] = -1  # a padding token writes nothing
-    k_ref, v_ref = allocate_kv_cache(num_blocks, block_size, hkv, d), allocate_kv_cache(num_blocks, block_size, hkv, d)
-    q_ref = ref_rope.rope_kv_write(qkv, positions, cos, sin, k_ref, v_ref, slots, hq)
-    k_dev, v_dev = to_device(allocate_kv_cache(num_blocks, block_size, hkv, d)), to_device(
-        allocate_kv_cache(num_blocks, block_size, hkv, d))
+    cache = allocate_kv_cache(num_blocks, block_size, hkv, d, fmt)
+    k_ref, v_ref = cache.copy(), cache.copy()
+    q_ref = ref_rope.rope_kv_write(qkv, positions, cos, sin, k_ref, v_ref, slots, hq, k_scale, v_scale)
+    k_dev, v_dev = to_device(cache), to_device(cache)
     q_out = device_empty((t, hq, d), np.float32)
     rope.rope_kv_write(to_device(qkv), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
-                       to_device(slots), q_out)
+                       to_device(slots), q_out, k_scale=k_scale, v_scale=v_scale)
     # two products and a sum per output: a few ulps of the inputs' magnitude
     assert_close(q_out, q_ref, atol=8 * F32_EPS * np.abs(qkv).max(), rtol=0)
     k_got, v_got = k_dev.copy_to_host(), v_dev.copy_to_host()
-    assert np.array_equal(v_got, v_ref)  # V is only rounded: bit-identical
+    assert np.array_equal(v_got.view(np.uint8), v_ref.view(np.uint8))  # V is only stored: bit-identical
     # K: identical where the fp32 rotation agrees. A different FMA contraction moves the fp32 value by the
-    # tolerance of q above, and the bf16 rounding of the moved value by at most one bf16 ulp (2^-7 relative).
+    # tolerance of q above, and the rounding of the moved value to the format by at most one of its steps.
     # NOTE: the absolute part matters where x1 c and x2 s cancel: there a few fp32 ulps of the inputs are many
-    # ulps of the result.
-    kg, kr = bf16_to_f32(k_got), bf16_to_f32(k_ref)
+    # ulps of the result. Unused slots stay the format's NaN (the NaN masks are equal).
+    kg, kr = kv_decode(k_got, k_scale), kv_decode(k_ref, k_scale)
     assert np.array_equal(np.isnan(kg), np.isnan(kr))
     finite = ~np.isnan(kr)
-    np.testing.assert_allclose(kg[finite], kr[finite], rtol=2 ** -7, atol=8 * F32_EPS * np.abs(qkv).max())
+    rel, sub = ROUNDING_STEP[fmt]
+    np.testing.assert_allclose(kg[finite], kr[finite], rtol=rel,
+                               atol=8 * F32_EPS * np.abs(qkv).max() + sub * k_scale)
 
 
 def test_rope_kv_write_rejects_mismatched_shapes():

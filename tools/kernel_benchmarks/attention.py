@@ -10,6 +10,8 @@ from numba import cuda
 
 from cuda_kernels import attention, paged_attention
 from reference import paged_attention as ref
+from reference.bf16 import bf16_to_f32
+from reference.kv_format import kv_encode
 from tools.kernel_benchmarks.common import Case
 
 HQ, HKV, D, BLOCK = 32, 8, 64, 16
@@ -102,15 +104,19 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
              check(run_split), bytes_moved=kv_bytes)]
 
 
-def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK) -> Case:
+def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache_dtype="bf16") -> Case:
     """Decode attention as the engine runs it (tinyvllm/cuda_runner.py): paged_attention with a workspace and
     no overrides, so its own lanes, warps and split policies, for `batch` sequences of `context` cached tokens
     with heads = (Hq, Hkv, d) and KV blocks of `block` tokens; tables as wide as the context (for 4,096
-    tokens in blocks of 16, also the width bucket of the engine's decode graph). bytes_moved: the K and V read."""
+    tokens in blocks of 16, also the width bucket of the engine's decode graph). bytes_moved: the K and V read,
+    in the cache's format (kv_cache_dtype: bf16, fp32 or fp8, whose scales are the engine's, 1.0)."""
     hq, hkv, d = heads
     rng = np.random.default_rng(0)
     contexts = [context] * batch
     k_cache, v_cache, tables = _paged_cache(rng, contexts, block, hkv, d)
+    if kv_cache_dtype != "bf16":   # the same values, stored in the format
+        k_cache, v_cache = (kv_encode(bf16_to_f32(c), kv_cache_dtype) for c in (k_cache, v_cache))
+    itemsize = k_cache.dtype.itemsize
     q = rng.standard_normal((batch, hq, d), dtype=np.float32)
     lens, scale = np.array(contexts, np.int32), np.float32(d ** -0.5)
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
@@ -133,8 +139,10 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK) -> Case:
     warps = paged_attention.decode_warps_policy(batch, hq, hkv, d, lanes)
     parts, blocks = paged_attention.decode_partitions(batch, hq, hkv, width, warps)
     split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
-    return Case("attention", "PagedAttention decode", launch, check, bytes_moved=2 * batch * context * hkv * d * 2,
-                shape=f"batch {batch} x context {context}, {hq}/{hkv} heads, d {d}, block {block}",
+    name = "PagedAttention decode" + ("" if kv_cache_dtype == "bf16" else f" ({kv_cache_dtype} KV cache)")
+    return Case("attention", name, launch, check, bytes_moved=2 * batch * context * hkv * d * itemsize,
+                shape=f"batch {batch} x context {context}, {hq}/{hkv} heads, d {d}, block {block}"
+                + ("" if kv_cache_dtype == "bf16" else f", {kv_cache_dtype}"),
                 config=f"paged_attention: {lanes} lanes/key, {warps} warps, {split}")
 
 
