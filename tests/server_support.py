@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import httpx
-import uvicorn
 
 from tinyvllm.server.app import build_app
+from tinyvllm.server.launch import serving_in_thread
 
 MODEL = "tiny"
 
@@ -18,21 +17,8 @@ MODEL = "tiny"
 def running_server(engine, **app_options):
     """Serve `engine` as model "tiny"; yields (base URL, the app). The engine loop stops on exit."""
     app = build_app(engine, MODEL, **app_options)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serving_in_thread(app, "test-uvicorn", start_timeout=30, timeout_graceful_shutdown=5) as url:
+        yield url, app
 
 
 def slow_down(engine, seconds: float) -> None:

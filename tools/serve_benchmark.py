@@ -36,7 +36,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -127,24 +126,10 @@ def device_name() -> str:
 
 # -- tinyvllm ---------------------------------------------------------------------------------------------------
 
-def serve_in_thread(app):
-    """uvicorn serving `app` on a free port of 127.0.0.1 in a daemon thread; returns (url, server, thread)."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="serve-benchmark-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", server, thread
-
-
 def run_tinyvllm(args) -> int:
     from tinyvllm import LLM, SamplingParams
     from tinyvllm.server.app import build_app
+    from tinyvllm.server.launch import serving_in_thread
 
     results = {"command": " ".join(sys.argv), "device": device_name(), "model": str(args.model),
                "backend": args.backend, "engine": "as `tinyvllm serve` builds it, prefix caching off",
@@ -174,8 +159,7 @@ def run_tinyvllm(args) -> int:
                                    "request_throughput": n / seconds, "output_throughput": tokens / seconds})
         log(f"offline LLM.generate, {n} requests: {tokens / seconds:,.0f} output tok/s")
         save(args, "tinyvllm", results)
-    url, server, thread = serve_in_thread(build_app(llm.engine, "tinyvllm"))
-    try:
+    with serving_in_thread(build_app(llm.engine, "tinyvllm"), "serve-benchmark-uvicorn") as url:
         for i, (rate, n) in enumerate(args.runs):
             cpu = time.process_time()
             warm = ["--warmup", str(WARMUP)] if i == 0 else []
@@ -186,9 +170,6 @@ def run_tinyvllm(args) -> int:
             if "error" in summary:
                 results["errors"].append(summary["error"])
             save(args, "tinyvllm", results)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
     save(args, "tinyvllm", results)
     return 1 if results["errors"] else 0
 

@@ -11,6 +11,8 @@ import contextlib
 import os
 import signal
 import sys
+import threading
+import time
 
 import uvicorn
 
@@ -59,3 +61,23 @@ def serve(engine: LLMEngine, args) -> int:
           + (", API key required" if api_key else ""), file=sys.stderr)
     GracefulServer(config, app.state.engine_loop, args.shutdown_timeout).run()
     return 0
+
+
+@contextlib.contextmanager
+def serving_in_thread(app, name: str = "uvicorn", start_timeout: float = 60.0, **config):
+    """Serve `app` with uvicorn on a free port of 127.0.0.1 in a daemon thread (for tests and benchmarks, which
+    drive the server from the same process); yields its base URL. On exit the server stops and its thread is
+    joined. config: more uvicorn.Config options."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server ({name}) did not start within {start_timeout:g} s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
