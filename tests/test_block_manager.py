@@ -55,7 +55,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             first, last = seq.num_computed_tokens // bs, (seq.num_computed_tokens + item.num_new_tokens - 1) // bs
             assert all(self.bm.blocks[b].ref_count == 1 for b in seq.block_table[first:last + 1])
             if item.copy is not None:  # copy-on-write: the fresh block replaced the shared one
-                assert seq.block_table[first] == item.copy[1] and self.bm.blocks[item.copy[0]].ref_count >= 1
+                assert seq.block_table[first] == item.copy[1]
+                # the step's copies run in parallel: none may write a block another one reads
+                assert all(other.copy is None or other.copy[1] != item.copy[0] for other in scheduled)
             samples = item.samples
             seq.num_computed_tokens += item.num_new_tokens
             if samples:
@@ -96,6 +98,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for block in self.bm.blocks:
             assert block.ref_count == refs[block.block_id] >= 0
             assert (block.ref_count == 0) == (block.block_id in self.bm.free)
+        assert not self.bm.held and not self.bm.copy_sources   # nothing held back between plans
         used = sum(1 for r in refs if r)
         assert used + self.bm.num_free_blocks == self.bm.num_blocks
         slots = sum(1 + len(s.forks) for s in self.scheduler.running)
@@ -202,3 +205,23 @@ def test_forked_completions_share_the_prompt_and_copy_the_last_block_on_write():
     for s in seqs:
         scheduler.finish(s, "length")
     assert bm.num_free_blocks == 20 and scheduler.num_slots == 0
+
+
+def test_a_copy_source_whose_last_holder_is_preempted_is_held_back_for_the_step():
+    """Found by the machine above: A (n = 2) copies its shared last block, then B needs blocks and preempts A's
+    fork, the block's last holder, in the same plan. The block must not become another copy's destination
+    before the step's copies have run; after the plan it is free again."""
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    a, fork = (Sequence("a", [0] * 7, SamplingParams(max_tokens=2, n=2), 0, index=i) for i in range(2))
+    bm.allocate(a, 7)
+    a.num_computed_tokens = 7
+    bm.fork(a, fork)
+    source = a.block_table[3]                      # the partly filled last block, now shared
+    copy = bm.allocate(a, 1)
+    assert copy is not None and copy[0] == source
+    bm.free_sequence(fork)                         # the preemption of the last other holder
+    assert source in bm.held and source not in bm.free and bm.blocks[source].ref_count == 0
+    others = [Sequence(str(i), [0], SamplingParams(max_tokens=1), 0) for i in range(bm.num_free_blocks)]
+    assert all(source not in (bm.allocate(s, 1) or ()) and source not in s.block_table for s in others)
+    bm.end_plan()
+    assert source in bm.free and not bm.held

@@ -16,10 +16,15 @@ going up by one. A block is written by one sequence only: before a step writes i
 still hold (the partly filled last block of the prompt), `allocate` gives the writer a fresh block and
 returns (shared, fresh) for the runner to copy first (copy-on-write); the last holder writes in place. So a
 prompt's blocks are stored once, and each completion owns only the blocks it writes.
+While a step is planned, a block it copies from stays out of the free list even if a preemption in the same
+plan drops its last holder (`held`), until the plan is complete (`end_plan`): the step's copies run side by
+side in one kernel, so a source must not become another copy's destination in the same step. Later steps'
+writes run after the copies (one stream).
 
-Invariants (checked by tests/test_block_manager.py under hypothesis): every block is either free (ref count
-0, in the free list) or used (ref count > 0, not in the free list); free + used == num_blocks; ref counts
-never go negative; a registered hash maps to a block whose tokens are exactly the hashed ones.
+Invariants (checked by tests/test_block_manager.py under hypothesis): between plans every block is either
+free (ref count 0, in the free list) or used (ref count > 0, not in the free list); free + used == num_blocks;
+no copy of a step writes a block another copy of it reads; ref counts never go negative; a registered hash maps to a block whose
+tokens are exactly the hashed ones.
 """
 
 from __future__ import annotations
@@ -54,6 +59,15 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}      # hash -> block id
+        self.copy_sources: set[int] = set()   # blocks this step's copies read
+        self.held: OrderedDict[int, None] = OrderedDict()   # copy sources whose last holder left this plan
+
+    def end_plan(self) -> None:
+        """A step's plan is complete (the scheduler calls this): its copies will run before any later step
+        writes, so the copy sources held back return to the free list."""
+        self.free.update(self.held)
+        self.held.clear()
+        self.copy_sources.clear()
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,6 +135,7 @@ class BlockManager:
         if shared is not None:
             source, fresh = seq.block_table[shared], self._fresh()
             self.blocks[source].ref_count -= 1   # still >= 1: the other holders keep it
+            self.copy_sources.add(source)
             seq.block_table[shared] = fresh
             copy = (source, fresh)
         for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
@@ -177,12 +192,15 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
             if block.ref_count == 0:
-                self.free[block_id] = None
+                if block_id in self.copy_sources:
+                    self.held[block_id] = None
+                else:
+                    self.free[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free[block_id]
+        if block.ref_count == 0:   # a prefix-cache hit may revive a held-back block: it is only read
+            (self.held if block_id in self.held else self.free).pop(block_id)
         block.ref_count += 1

@@ -65,6 +65,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSequence]:
+        try:
+            return self._schedule()
+        finally:
+            self.blocks.end_plan()
+
+    def _schedule(self) -> list[ScheduledSequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         # 1. running sequences, oldest first; preempt the youngest when blocks run out
@@ -131,7 +137,9 @@ class Scheduler:
         needed = sum(blocks.blocks_needed(seq, 1) for seq in seqs)
         if needed > blocks.num_free_blocks:
             return None
-        return [ScheduledSequence(seq, 1, blocks.allocate(seq, 1)) for seq in seqs]
+        planned = [ScheduledSequence(seq, 1, blocks.allocate(seq, 1)) for seq in seqs]
+        blocks.end_plan()
+        return planned
 
     def add_forks(self, parent: Sequence, children: list[Sequence]) -> None:
         """The completions parent held in its forks start running beside it, sharing its blocks (the engine
