@@ -23,8 +23,8 @@ writes run after the copies (one stream).
 
 Invariants (checked by tests/test_block_manager.py under hypothesis): between plans every block is either
 free (ref count 0, in the free list) or used (ref count > 0, not in the free list); free + used == num_blocks;
-no copy of a step writes a block another copy of it reads; ref counts never go negative; a registered hash maps to a block whose
-tokens are exactly the hashed ones.
+no copy of a step writes a block another copy of it reads; ref counts never go negative; a registered hash
+maps to a block whose tokens are exactly the hashed ones.
 """
 
 from __future__ import annotations

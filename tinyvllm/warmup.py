@@ -15,13 +15,13 @@ up to max_num_seqs, and the runner's graph buckets. The warm-up walks them:
    recorded from the launches alone, which is cheap once the kernels are ready. Without graphs (enforce_eager,
    the simulator) the same buckets' decode steps are prepared instead: their attention policies depend on
    the block-table width.
-Prompt logprobs run the LM head on the prompt rows max_num_seqs at a time, so step 1 walks them at the sampled
-rows' classes. Steps with penalties or logprobs get their kernels in step 1, and so does the copy-on-write kernel of
-parallel sampling (it launches before a step, outside it); their graphs are captured when first met (a capture
-takes milliseconds, not the seconds of a compile), and again after a step with more penalty entries than
-the step inputs hold has grown them (tinyvllm/step_inputs.py). The KV cache's format (kv_cache_dtype) is a
-compile-time choice of the attention and KV-write kernels, taken from the runner's caches, so the walk meets
-the format's own variants: nothing here depends on the format.
+Prompt logprobs run the LM head on the prompt rows max_num_seqs at a time, so step 1 walks them at the
+sampled rows' classes. Steps with penalties or logprobs get their kernels in step 1, and so does the
+copy-on-write kernel of parallel sampling (it launches before a step, outside it); their graphs are
+captured when first met (a capture takes milliseconds, not the seconds of a compile), and again after a
+step with more penalty entries than the step inputs hold has grown them (tinyvllm/step_inputs.py). The KV
+cache's format (kv_cache_dtype) is a compile-time choice of the attention and KV-write kernels, taken from
+the runner's caches, so the walk meets the format's own variants: nothing here depends on the format.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def warm_up(runner, progress: bool = True) -> dict:
     steps = [(StepShape(t, 1, 1, width(t)), t, mode) for t in token_counts(runner.max_tokens)
              for mode in MODES[::4]]   # greedy and sampled, plain: the layer stack at every class of M
     # prompt logprobs: the LM head runs on the prompt rows max_num_seqs at a time (CUDARunner._prompt_logprobs),
-    # so its classes are those of the sampled rows; walking every token count would repeat them thousands of times
+    # so its classes are those of the sampled rows (walking every token count repeated them thousands of times)
     rows = token_counts(min(runner.max_seqs, runner.max_tokens))
     steps += [(StepShape(m, 1, 1, width(m), m), m, MODES[0]) for m in rows]
     for n in token_counts(runner.max_seqs):   # the LM head and sampling at every class of sampled rows
