@@ -77,7 +77,8 @@ from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, launch, view
 from cuda_kernels.matmul_args import check_args
-from cuda_kernels.primitives import WARP, bf16_to_f32, f32_from_bits, round_bf16, round_bf16_pair, warp_sum
+from cuda_kernels.primitives import (WARP, bf16_to_f32, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair,
+                                     warp_sum)
 
 # gemv compiles one kernel per m_tile (accumulators are registers, so their count must be a constant).
 _GEMV_M_TILES = (1, 2, 4, 8)
@@ -169,9 +170,10 @@ def _gemv_warp_kernel(bf16_inputs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
-    """(weight_row, store_inputs, store): the device functions by which a gemv kernel maps a group of `rows`
-    weight rows to the weight and writes their results, for a pairing (see _gemv_kernel).
+def epilogue_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
+    """(weight_row, store_inputs, store): the device functions by which a gemv kernel (or gemv_tc's) maps a
+    group of `rows` weight rows to the weight and writes their results, for a pairing (see _gemv_kernel;
+    "gated_planes" is "gated" storing bf16(silu(a) * b), the bf16 plane of the result, into a uint16 out).
 
     weight_row(n0, r, N): the weight row of row r of the group starting at n0 (a multiple of rows), clamped
     to a valid one (the caller skips the store for it). store(dst, m, j, a, b, pre): write output j of
@@ -181,7 +183,7 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
     its PDL wait (cuda_kernels/pdl.py, rule 2) and keep the dependent loads out of its tail."""
     R = rows
     RH = R // 2                             # paired: pairs per group
-    GATED, ROPE = pairing == "gated", pairing == "rope"
+    GATED, ROPE = pairing in ("gated", "gated_planes"), pairing == "rope"
     PAIRED = GATED or ROPE
     HALF = head_dim // 2
     encode = kv_format.codec(fmt)[0]   # the KV cache's format (rope)
@@ -210,6 +212,10 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
     @cuda.jit(device=True, inline=True)
     def store_gated(dst, m, j, a, b, pre):
         dst[0][m, j] = activation.silu(a) * b
+
+    @cuda.jit(device=True, inline=True)
+    def store_gated_planes(dst, m, j, a, b, pre):
+        dst[0][m, j] = f32_to_bf16(activation.silu(a) * b)
 
     @cuda.jit(device=True, inline=True)
     def rope_inputs(dst, m, j):
@@ -241,6 +247,8 @@ def _gemv_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
 
     if ROPE:
         return weight_row, rope_inputs, store_rope
+    if pairing == "gated_planes":
+        return weight_row, no_inputs, store_gated_planes
     return weight_row, no_inputs, store_gated if GATED else store_row
 
 
@@ -274,7 +282,7 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     STEP = WARP * U * S                     # words of a row consumed by one pass of the block's S warps
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     RED_SHAPE = (ROW_WARPS, NACC, S)
-    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim, fmt)
+    weight_row, store_inputs, store = epilogue_rows(R, pairing, head_dim, fmt)
 
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that wv stays in registers
     def load_words(w64, wv, n0, N, j0):
@@ -450,7 +458,7 @@ def _gemv_staged_kernel(m_tile: int, rows_per_block: int, warps_per_block: int, 
     # NOTE: local/shared array sizes must be closure constants, not expressions in the kernel
     XN = MT * 4 * WPT
     RED_SHAPE = (warps_per_block, NACC)
-    weight_row, store_inputs, store = _gemv_rows(R, pairing, head_dim, fmt)
+    weight_row, store_inputs, store = epilogue_rows(R, pairing, head_dim, fmt)
     wait_copies = cp_async_wait(0)
 
     @cuda.jit(device=True, inline=True)

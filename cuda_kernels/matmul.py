@@ -24,10 +24,15 @@ The kernels, each file a ladder from its simplest correct version to the one the
 6. gemm_pipelined.gemm_pipelined: x converted once into bf16 planes, both operands streamed into shared
    memory by cp.async several slabs ahead, ldmatrix fragments; gated and planes-out epilogues (mlp).
 7. the same kernel with K split over blocks and skinny tiles, for decode batches above gemv's rows.
+8. gemv_tc.gemv_tc: gemv's memory side (each weight word loaded once straight into registers, K split over
+   the warps of a block) with the products on tensor cores, for decode batches of bf16 inputs above gemv's
+   rows; gated and planes-out epilogues (mlp).
 
 The policies (pure functions of the shape, so a captured CUDA graph stays valid):
 - uses_gemv: gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or more), with the
   configuration gemv_config(M, N, K);
+- uses_gemv_tc: gemv_tc for bf16 inputs from gemv's rows to GEMV_TC_MAX_M (given a planes workspace), with
+  gemv_tc_config(M, N, K);
 - pipelined_plan: gemm_pipelined where the caller gives a planes workspace and M is large enough (with a
   split workspace, every M above gemv's, K split for skinny M; gemm_pipelined.skinny_plan / pipelined_tile);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
@@ -38,7 +43,7 @@ The numbers behind each choice are in docs/performance.md.
 from __future__ import annotations
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, gemm_pipelined, rope
+from cuda_kernels import activation, gemm_pipelined, gemv_tc, rope
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.gemm_simt import GemmTile, gemm
 from cuda_kernels.gemm_tc import GemmTcTile, gemm_tc
@@ -94,6 +99,15 @@ GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes th
 # tiles were faster on the narrow weights (docs/performance.md, "gemm_tc or gemm_pipelined").
 PIPELINED_MIN_M = 128
 PIPELINED_WIDE_MIN_M = 64
+# gemv_tc for bf16 inputs from gemv's rows up to this many (its n8 tiles cover 64 rows). Its configurations
+# by weight (gemv_tc_config); the weights of few rows need their K split over more warps to fill the SMs.
+GEMV_TC_MAX_M = 8 * gemv_tc.MAX_NT
+# NOTE: the engine keeps off gemv_tc in the simulator, where every emulated mma costs two block barriers over
+# Python threads (gemv_tc's own tests run there; a test switches this on to walk the engine's entry points).
+GEMV_TC_IN_ENGINE = not SIMULATOR
+GEMV_TC_NARROW = gemv_tc.GemvTcConfig(8, 1, 2)
+GEMV_TC_WIDE = gemv_tc.GemvTcConfig(4, 1, 4)
+GEMV_TC_NARROW_N = 4096        # weights of up to this many rows (or features, gated) take GEMV_TC_NARROW
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,6 +184,27 @@ def uses_pipelined(m: int, n: int, k: int) -> bool:
     return not SIMULATOR and k % 8 == 0 and m >= (PIPELINED_WIDE_MIN_M if n >= GEMV_WIDE_N else PIPELINED_MIN_M)
 
 
+def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
+    """Whether matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemv_tc: bf16 inputs, m above
+    gemv's rows and at most GEMV_TC_MAX_M, k a multiple of gemv_tc's 32-k chunk (GEMV_TC_IN_ENGINE: not in
+    the simulator)."""
+    return (GEMV_TC_IN_ENGINE and bf16_inputs and not uses_gemv(m, n) and m <= GEMV_TC_MAX_M
+            and k % gemv_tc.CHUNK_K == 0)
+
+
+def gemv_tc_config(m: int, n: int, k: int, gated: bool = False) -> gemv_tc.GemvTcConfig:
+    """The GemvTcConfig gemv_tc uses for x (m, k) @ W (n, k)^T (gated: W = [gate; up], n = 2F rows): a pure
+    function of the weight's shape. A weight of few rows has few 16-row tiles, so its K is split over 8 warps
+    a tile to put enough loads in flight on every SM; a wide weight fills the SMs with tiles alone."""
+    return GEMV_TC_NARROW if n <= GEMV_TC_NARROW_N else GEMV_TC_WIDE
+
+
+def reads_planes(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False, split_workspace=None) -> bool:
+    """Whether the engine's matmul of x (m, k) by W (n, k) reads x's bf16 planes (gemv_tc or gemm_pipelined, given
+    a planes workspace), so that the kernel producing x may write them (rmsnorm's planes output)."""
+    return uses_gemv_tc(m, n, k, bf16_inputs) or bool(pipelined_plan(m, n, k, bf16_inputs, gated, split_workspace))
+
+
 def uses_gemv(m: int, n: int) -> bool:
     """Whether matmul sends x (m, K) @ W (n, K)^T to gemv (decode sizes) rather than a tiled kernel."""
     return m <= (GEMV_WIDE_MAX_M if n >= GEMV_WIDE_N else GEMV_MAX_M)
@@ -205,10 +240,12 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
     one gemv with the SiLU*mul in its epilogue; where matmul would take gemm_pipelined (given a planes
     workspace; pipelined_plan), gemm_pipelined with the same epilogue; else matmul into scratch (at least
     (M, 2F) float32) and activation.silu_and_mul. planes_ready: as matmul's. Twin: reference.matmul.gated_matmul."""
-    plan = workspace is not None and pipelined_plan(x.shape[0], weight.shape[0], x.shape[1], bf16_inputs, True,
-                                                    split_workspace)
-    if uses_gemv(x.shape[0], weight.shape[0]):
+    (M, K), N = x.shape, weight.shape[0]
+    plan = workspace is not None and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
+    if uses_gemv(M, N):
         gemv(x, weight, out, stream, config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, gated=True)
+    elif workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
+        _tc(x, weight, out, workspace, stream, planes_ready, gated=True)
     elif plan:
         check_args(x, weight, out, gated=True)
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
@@ -223,28 +260,34 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
 def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False, workspace=None, act_planes=None,
         split_workspace=None, planes_ready: bool = False):
     """The gated MLP: out (M, H) <- act @ down^T, act = silu(x @ gate^T) * (x @ up^T) (M, F), for the fused
-    [gate; up] (2F, H) and down (H, F). Where both GEMMs run on gemm_pipelined (given the planes workspace
-    for x and act_planes, uint16 (P * M, F) with P = gemm_pipelined.pieces(bf16_inputs)), the gated GEMM
-    writes act straight as the bf16 planes the down GEMM multiplies: act never exists in fp32 and no planes
-    conversion runs between the two (act itself is not written). Else gated_matmul into act (at least
-    (M, F) float32, scratch as gated_matmul takes it), then matmul. planes_ready: x's planes are in the
-    workspace already (see matmul). Twin: reference.matmul.mlp."""
+    [gate; up] (2F, H) and down (H, F). Where both GEMMs read planes (gemv_tc or gemm_pipelined, given the
+    planes workspace for x and act_planes, uint16 (P * M, F) with P = gemm_pipelined.pieces(bf16_inputs)),
+    the gated GEMM writes act straight as the bf16 planes the down GEMM multiplies: act never exists in fp32
+    and no planes conversion runs between the two (act itself is not written). Else gated_matmul into act
+    (at least (M, F) float32, scratch as gated_matmul takes it), then matmul. planes_ready: x's planes are
+    in the workspace already (see matmul). Twin: reference.matmul.mlp."""
     M, N, K = check_args(x, gate_up, None)
-    plans = workspace is not None and act_planes is not None and (
-        pipelined_plan(M, N, K, bf16_inputs, True, split_workspace),
-        pipelined_plan(M, *down.shape, bf16_inputs, False, split_workspace))
-    if plans and all(plans):
-        (up_tile, up_splits), (down_tile, down_splits) = plans
-        planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
-        gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
-                                      tile=up_tile, splits=up_splits, split_workspace=split_workspace,
-                                      planes_ready=planes_ready)
-        gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_tile,
-                                   splits=down_splits, split_workspace=split_workspace)
-    else:
+    H, F = down.shape
+    up_tc, down_tc = uses_gemv_tc(M, N, K, bf16_inputs), uses_gemv_tc(M, H, F, bf16_inputs)
+    up_plan = not up_tc and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
+    down_plan = not down_tc and pipelined_plan(M, H, F, bf16_inputs, False, split_workspace)
+    if workspace is None or act_planes is None or not (up_tc or up_plan) or not (down_tc or down_plan):
         gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace,
                      split_workspace=split_workspace, planes_ready=planes_ready)
         matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
+        return
+    planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
+    if up_tc:
+        _tc(x, gate_up, act_planes, workspace, stream, planes_ready, gated=True)
+    else:
+        gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
+                                      tile=up_plan[0], splits=up_plan[1], split_workspace=split_workspace,
+                                      planes_ready=planes_ready)
+    if down_tc:
+        gemv_tc.gemv_tc(planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
+    else:
+        gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_plan[0],
+                                   splits=down_plan[1], split_workspace=split_workspace)
 
 
 def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, scratch, stream=0,
@@ -253,16 +296,30 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
     """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T;
     the caches in any format of kv_format, k_scale and v_scale the fp8 cache's scales):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
-    memory, no RoPE kernel), else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
+    memory, no RoPE kernel), where uses_gemv_tc says gemv_tc with the same epilogue, else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
     planes_ready: as matmul's. Twin: reference.matmul.matmul_rope_kv_write."""
-    if uses_gemv(x.shape[0], weight.shape[0]):
+    (M, K), N = x.shape, weight.shape[0]
+    if uses_gemv(M, N):
         gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
                   config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, k_scale=k_scale, v_scale=v_scale)
+    elif workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
+        if not planes_ready:
+            gemm_pipelined.bf16_planes(x, workspace, stream, bf16_inputs=True)
+        gemv_tc.gemv_tc_rope(workspace, M, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
+                             config=gemv_tc_config(M, N, K), k_scale=k_scale, v_scale=v_scale)
     else:
         qkv = _rows(scratch, x.shape[0])
         matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace,
                planes_ready=planes_ready)
         rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream, k_scale, v_scale)
+
+
+def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
+    """gemv_tc on x's bf16 plane in workspace (converted first unless planes_ready)."""
+    if not planes_ready:
+        gemm_pipelined.bf16_planes(x, workspace, stream, bf16_inputs=True)
+    gemv_tc.gemv_tc(workspace, x.shape[0], weight, out, stream,
+                    config=gemv_tc_config(x.shape[0], weight.shape[0], x.shape[1], gated), gated=gated)
 
 
 def _rows(scratch, m: int):
@@ -274,7 +331,8 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
            planes_ready: bool = False):
     """out = x @ W^T: the launcher the engine calls; gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights
     of GEMV_WIDE_N rows or more); given a workspace for x's bf16 planes (at least
-    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemm_pipelined where pipelined_plan says (with
+    gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemv_tc where uses_gemv_tc says, gemm_pipelined
+    where pipelined_plan says (with
     a split workspace, gemm_pipelined.split_workspace_sizes: every M above gemv's, K split for skinny M);
     gemm_tc for the rest.
 
@@ -287,10 +345,13 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
             x.shape[0], weight.shape[0]):
         gemv(x, weight, out, stream, config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs)
         return
+    M, N, K = check_args(x, weight, out)
+    if workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
+        _tc(x, weight, out, workspace, stream, planes_ready)
+        return
     if SIMULATOR:
         gemm(x, weight, out, stream, tile=GEMM_TILE, bf16_inputs=bf16_inputs)
         return
-    M, N, K = check_args(x, weight, out)
     plan = workspace is not None and pipelined_plan(M, N, K, bf16_inputs, False, split_workspace)
     if plan:
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, tile=plan[0], bf16_inputs=bf16_inputs,

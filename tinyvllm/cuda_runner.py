@@ -390,10 +390,10 @@ class CUDARunner:
                                                  chained=True), self.stream)
 
     def _planes_for(self, t: int, n: int, gated: bool):
-        """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) runs gemm_pipelined
-        (which then reads h's planes, written by the norm before it), else None."""
-        plan = matmul.pipelined_plan(t, n, self.config.hidden_size, self.bf16_inputs, gated, self.split_workspace)
-        return self.planes if plan else None
+        """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) reads x's bf16 planes
+        (gemv_tc or gemm_pipelined: matmul.reads_planes), which the norm before it then writes, else None."""
+        reads = matmul.reads_planes(t, n, self.config.hidden_size, self.bf16_inputs, gated, self.split_workspace)
+        return self.planes if reads else None
 
     def _prefixes(self, t: int, n: int) -> dict:
         """The first t rows of the token buffers and the first n of the sampled-row ones, as device arrays."""

@@ -38,6 +38,7 @@ from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_simt as simt
 from cuda_kernels import gemm_tc as tc
 from cuda_kernels import gemv as gv
+from cuda_kernels import gemv_tc as gt
 from cuda_kernels import matmul as mm
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
 from numba import cuda
@@ -337,6 +338,58 @@ def skinny_cases(ms=SKINNY_MS, weights=None, bf16_inputs: bool = True, cold_byte
     return out
 
 
+# gemv_tc configurations worth timing against the skinny plan (k_warps, row_warps, unroll, pipelined)
+GEMV_TC_CANDIDATES = (gt.GemvTcConfig(4, 1, 4), gt.GemvTcConfig(8, 1, 2), gt.GemvTcConfig(8, 1, 4),
+                      gt.GemvTcConfig(8, 1, 2, True), gt.GemvTcConfig(4, 2, 4), gt.GemvTcConfig(4, 1, 8),
+                      gt.GemvTcConfig(2, 4, 4), gt.GemvTcConfig(4, 1, 4, True), gt.GemvTcConfig(1, 4, 8))
+
+
+def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=GEMV_TC_CANDIDATES, cold_bytes: int = COLD_BYTES) -> list[Case]:
+    """Decode batches with bf16 inputs and each weight cold in L2, x's bf16 plane ready (as the engine's norms
+    write it): gemm_pipelined's skinny plan (gemm_planes, K split over blocks) against gemv_tc in each
+    configuration. gate/up runs gated (silu(gate) * up, what the engine runs); the rest plain."""
+    rng = np.random.default_rng(6)
+    out = []
+    for wname, n, k, w, copies in _cold_weights(rng, weights, cold_bytes):
+        gated = wname == "gate_up"
+        cols = n // 2 if gated else n
+        for m in ms:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            planes = cuda.to_device(f32_to_bf16(x).ravel())
+            dout = cuda.device_array((m, cols), np.float32)
+            tile, splits = gp.skinny_plan(m, n, k, True, gated)
+            split_ws = (cuda.device_array(max(1, gp.split_partials_size(tile, m, n, splits, gated)), np.float32),
+                        cuda.to_device(np.zeros(gp.split_counters_size(tile, m, n, gated), np.int32)))
+
+            def skinny(dx, w_, out_, stream, m=m, tile=tile, splits=splits, split_ws=split_ws, gated=gated):
+                gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated, splits=splits,
+                               split_workspace=split_ws)
+            runs = [(f"skinny plan {_tile_label(tile)}, {splits} splits", skinny)]
+            for config in configs:
+                def tc_gemv(dx, w_, out_, stream, m=m, config=config, gated=gated):
+                    gt.gemv_tc(dx, m, w_, out_, stream, config=config, gated=gated)
+                runs.append((f"gemv_tc {_tile_label(config)}", tc_gemv))
+            for label, launcher in runs:
+                turn = [0]
+
+                def launch(stream, launcher=launcher, turn=turn, planes=planes, copies=copies, dout=dout):
+                    launcher(planes, copies[turn[0] % len(copies)], dout, stream)
+                    turn[0] += 1
+
+                def check(launcher=launcher, x=x, w=w, dout=dout, gated=gated, planes=planes, copies=copies):
+                    dout.copy_to_device(np.full(dout.shape, np.nan, np.float32))
+                    launcher(planes, copies[0], dout, 0)
+                    cuda.synchronize()
+                    if gated:
+                        _check_gated(dout.copy_to_host(), x, w, True)
+                    else:
+                        _check_close(dout, x, w, True)
+
+                out.append(Case("matmul", f"{wname} {m}x{k} @ {n}x{k}^T ({label})", launch, check,
+                                bytes_moved=w.nbytes, shape=f"{wname} {m}", config=label))
+    return out
+
+
 def engine_decode_cases(config, bf16_inputs: bool = False, cold_bytes: int = COLD_BYTES,
                         block_size: int = 16) -> list[Case]:
     """The five batch-1 decode matmuls of a model as the engine launches them (tinyvllm/cuda_runner.py at
@@ -477,7 +530,18 @@ def main() -> None:
                         help="instead: decode batches (M = 16-128, or --m) with cold weights: the engine's matmul "
                              "with and without the split-K skinny plan, and variants of the plan")
     parser.add_argument("--fp32", action="store_true", help="--skinny in fp32 mode (default: bf16 inputs)")
+    parser.add_argument("--gemv-tc", action="store_true",
+                        help="instead: decode batches (M = 16, 32, 64, or --m up to 64) with cold weights and bf16 "
+                             "inputs: the skinny plan against gemv_tc in each of GEMV_TC_CANDIDATES")
     args = parser.parse_args()
+    if args.gemv_tc:
+        print("| case | time (us) | weight GB/s |")
+        print("| --- | ---: | ---: |")
+        for case in gemv_tc_cases([m for m in args.m if 8 < m <= 64] or (16, 32, 64), args.weights):
+            seconds = checked_time(case)
+            cell = seconds if isinstance(seconds, str) else f"{seconds * 1e6:,.1f} | {case.bytes_moved / seconds / 1e9:,.0f}"
+            print(f"| {case.name} | {cell} |", flush=True)
+        return
     if args.skinny:
         print("| case | time (us) | weight GB/s |")
         print("| --- | ---: | ---: |")
