@@ -25,13 +25,27 @@ the float32 bits, which runs the same on the GPU and in the simulator:
     decode  the 7 magnitude bits placed at float32 bits 20..26 make a float32 whose exponent is biased
             by 127 instead of 7, so times 2^120 it is the e4m3 value, subnormals included (they become
             float32 subnormals, exact, then normal); 0x7F -> NaN.
+
+The decode is a ladder of two versions of one helper, e4m3x2_to_f32x2 (two codes in 16 bits, element 0 in the
+low byte, -> two float32), on which every reader's decoder is built (e4m3_to_f32, e4m3x4_to_f32x4,
+unpack_e4m3x8, e4m3x4_to_bf16x4); the version is chosen at import time, as mma.py chooses its mma:
+    1. e4m3x2_to_f32x2_arith: the bit arithmetic above, about six instructions per element (masks, shifts,
+       or, multiply, compare, select). The definition: the simulator's (where @intrinsic raises), equal to
+       reference/kv_format.e4m3_to_f32 for every code, and the GPU's below compute capability 8.9.
+    2. e4m3x2_to_f32x2_cvt (GPU): the hardware conversion, inline PTX through an @intrinsic:
+       `cvt.rn.f16x2.e4m3x2` (two e4m3 -> two f16, exact) then `cvt.f32.f16` per element (exact). Equal to
+       version 1 bit for bit, but for a NaN code's NaN bits (both NaN). The instruction exists from sm_89 on: a kernel
+       compiled for an older device gets version 1, decided when it compiles, for the compute capability
+       it is compiled for (as pdl.py decides griddepcontrol).
+The encode stays the bit arithmetic: the hardware's (`cvt.rn.satfinite.e4m3x2.f32`) would have to be shown
+to keep a NaN's sign as the reference does, and a write happens once per token, off the readers' path.
 """
 
 import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, uint8, uint32, uint64
+from numba import cuda, float32, int32, uint8, uint16, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import bf16_to_f32, f32_bits, f32_from_bits, f32_to_bf16
@@ -45,6 +59,7 @@ E4M3_MIN_NORMAL = float32(2.0 ** -6)
 E4M3_REBIAS = float32(2.0 ** 120)
 _ROUNDER = float32(2.0 ** 23)   # x + 2^23 (0 <= x < 2^22) rounds x to an integer, nearest even
 _ROUNDER_BITS = uint32(0x4B000000)
+E4M3_CVT_MIN_CC = (8, 9)   # cvt.rn.f16x2.e4m3x2 (the hardware decode): PTX ISA 7.8, sm_89
 
 
 def format_of(cache) -> str:
@@ -93,24 +108,108 @@ def f32_to_e4m3(x):
     return uint8(uint32(code) | sign)
 
 
+# Decode, version 1: bit arithmetic. The definition: the simulator's and the reference twin's, and the GPU's
+# below compute capability 8.9.
+
+
 @cuda.jit(device=True)
-def e4m3_to_f32(bits):
-    """e4m3 bits -> float32, exactly (NaN for S.1111.111)."""
+def e4m3_to_f32_arith(bits):
+    """e4m3 bits -> float32, exactly (NaN for S.1111.111), by arithmetic on the float32 bits."""
     b = uint32(bits)
     value = f32_from_bits(((b & uint32(0x80)) << uint32(24)) | ((b & uint32(0x7F)) << uint32(20))) * E4M3_REBIAS
     return F32_NAN if (b & uint32(0x7F)) == uint32(0x7F) else value
 
 
 @cuda.jit(device=True)
+def e4m3x2_to_f32x2_arith(pair):
+    """Two e4m3 in 16 bits (element 0 in the low byte) -> two float32, by bit arithmetic."""
+    p = uint32(pair)
+    return e4m3_to_f32_arith(p & uint32(0xFF)), e4m3_to_f32_arith((p >> uint32(8)) & uint32(0xFF))
+
+
+# Decode, version 2: the hardware conversion (sm_89 and later: Ada, Hopper). One instruction turns two e4m3
+# into two f16 (exact: e4m3's values are f16 values, its smallest subnormal 2^-9 an f16 normal), and two more
+# widen them to float32 (exact). Version 1's arithmetic per element left the fp8 decode attention slower than
+# bf16's although it reads half the bytes (BENCHMARKS.md, measured before this version existed).
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.core import targetconfig
+    from numba.cuda.extending import intrinsic
+
+    # PTX: the low byte of the 16-bit input becomes the low f16 of the pair (element 0), as in memory.
+    # A NaN code (S.1111.111) becomes an f16 NaN, then a float32 NaN.
+    _CVT_E4M3X2 = ("{\n"
+                   ".reg .b32 f16x2;\n"
+                   ".reg .b16 f16lo, f16hi;\n"
+                   "cvt.rn.f16x2.e4m3x2 f16x2, $2;\n"
+                   "mov.b32 {f16lo, f16hi}, f16x2;\n"
+                   "cvt.f32.f16 $0, f16lo;\n"
+                   "cvt.f32.f16 $1, f16hi;\n"
+                   "}")
+
+    def _target_has_cvt() -> bool:
+        """Whether the kernel being compiled targets sm_89 or later (numba's own lowering asks the same
+        way: the compute capability in the compile's flags; None, unknown, takes the arithmetic)."""
+        flags = targetconfig.ConfigStack().top_or_none()
+        cc = getattr(flags, "compute_capability", None)
+        return cc is not None and tuple(cc) >= E4M3_CVT_MIN_CC
+
+    @intrinsic
+    def _e4m3x2_cvt(typingctx, pair):
+        sig = types.UniTuple(types.float32, 2)(types.uint16)
+
+        def codegen(context, builder, signature, args):
+            # NOTE: decided when the kernel compiles, for the compute capability it is compiled for: the
+            # instruction does not exist before sm_89, where the bit arithmetic is compiled instead.
+            if not _target_has_cvt():
+                return context.compile_internal(builder, e4m3x2_to_f32x2_arith.py_func, signature, args)
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.LiteralStructType([f32, f32]), [ir.IntType(16)])
+            out = builder.call(ir.InlineAsm(fnty, _CVT_E4M3X2, "=f,=f,h"), list(args))
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(out, 0), builder.extract_value(out, 1)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def e4m3x2_to_f32x2_cvt(pair):
+        """Two e4m3 in 16 bits (element 0 in the low byte) -> two float32, by the hardware conversion (the
+        bit arithmetic on a GPU older than sm_89)."""
+        return _e4m3x2_cvt(uint16(pair))
+
+    e4m3x2_to_f32x2 = e4m3x2_to_f32x2_cvt
+else:
+    e4m3x2_to_f32x2 = e4m3x2_to_f32x2_arith
+
+
+# The decoders the readers use (codec's decode and unpack, the tensor-core prefill's bf16 quads), over the
+# chosen pair conversion.
+
+
+@cuda.jit(device=True)
+def e4m3_to_f32(bits):
+    """e4m3 bits -> float32, exactly (NaN for S.1111.111)."""
+    return e4m3x2_to_f32x2(uint32(bits) & uint32(0xFF))[0]
+
+
+@cuda.jit(device=True)
+def e4m3x4_to_f32x4(word):
+    """Four e4m3 in a uint32 (element 0 low) -> four float32, exactly."""
+    w = uint32(word)
+    f0, f1 = e4m3x2_to_f32x2(w & uint32(0xFFFF))
+    f2, f3 = e4m3x2_to_f32x2(w >> uint32(16))
+    return f0, f1, f2, f3
+
+
+@cuda.jit(device=True)
 def e4m3x4_to_bf16x4(word):
     """Four e4m3 in a uint32 (element 0 low) -> the same four values as bf16 bits in a uint64 (element 0 low):
     exact, e4m3 values being bf16 values (3 mantissa bits, exponents within bf16's). For mma operands."""
-    w = uint32(word)
-    b0 = uint64(f32_bits(e4m3_to_f32(w & uint32(0xFF))) >> uint32(16))
-    b1 = uint64(f32_bits(e4m3_to_f32((w >> uint32(8)) & uint32(0xFF))) >> uint32(16))
-    b2 = uint64(f32_bits(e4m3_to_f32((w >> uint32(16)) & uint32(0xFF))) >> uint32(16))
-    b3 = uint64(f32_bits(e4m3_to_f32(w >> uint32(24))) >> uint32(16))
-    return b0 | (b1 << uint64(16)) | (b2 << uint64(32)) | (b3 << uint64(48))
+    f0, f1, f2, f3 = e4m3x4_to_f32x4(word)
+    return (uint64(f32_bits(f0) >> uint32(16)) | (uint64(f32_bits(f1) >> uint32(16)) << uint64(16))
+            | (uint64(f32_bits(f2) >> uint32(16)) << uint64(32)) | (uint64(f32_bits(f3) >> uint32(16)) << uint64(48)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,12 +234,9 @@ def unpack_f32x2_device(word):
 @cuda.jit(device=True)
 def unpack_e4m3x8_device(word):
     """Eight e4m3 in a uint64 (element 0 low) -> eight float32, unscaled."""
-    lo = uint32(word & uint64(0xFFFFFFFF))
-    hi = uint32(word >> uint64(32))
-    m = uint32(0xFF)
-    return (e4m3_to_f32(lo & m), e4m3_to_f32((lo >> uint32(8)) & m), e4m3_to_f32((lo >> uint32(16)) & m),
-            e4m3_to_f32(lo >> uint32(24)), e4m3_to_f32(hi & m), e4m3_to_f32((hi >> uint32(8)) & m),
-            e4m3_to_f32((hi >> uint32(16)) & m), e4m3_to_f32(hi >> uint32(24)))
+    f0, f1, f2, f3 = e4m3x4_to_f32x4(uint32(word & uint64(0xFFFFFFFF)))
+    f4, f5, f6, f7 = e4m3x4_to_f32x4(uint32(word >> uint64(32)))
+    return f0, f1, f2, f3, f4, f5, f6, f7
 
 
 if SIMULATOR:

@@ -14,7 +14,8 @@ engine (1, 2, 10, 11) run on the CPU backend with a tiny random model and report
 the machine. Chapter 12 issues one step's 82 kernels eagerly, from a CUDA graph and from a graph with PDL, and
 times each way per step and per kernel (the simulator cannot capture graphs: there it checks the recorded
 launches eagerly). Chapter 13 measures nothing: it reads the committed benchmark results
-(tools/serving_cost.py, which takes any results file and price). Exit status 1 if any version fails its check.
+(tools/serving_cost.py, which takes any results file and price). Chapter 14 runs decode attention over one
+cache in each KV format (fp32, bf16, fp8), each against its own roofline. Exit status 1 if any version fails its check.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from cuda_kernels.compat import SIMULATOR  # noqa: E402  (also the numpy shim, before numba.cuda)
 from numba import cuda  # noqa: E402
 
-from tools.course_ladders import attention, engine, launches, matmul, rows, sampling, serving  # noqa: E402
+from tools.course_ladders import attention, engine, kv_formats, launches, matmul, rows, sampling, serving  # noqa: E402
 from tools.course_ladders.common import run_steps, table  # noqa: E402
 
 
@@ -64,6 +65,7 @@ CHAPTERS = [
             launches.launch_steps),
     Chapter(13, "Serving economics: latency, throughput and the cost of a million tokens", "13-serving-cost.md",
             serving.cost_steps),
+    Chapter(14, "KV-cache formats: bf16, fp32 and fp8 e4m3", "14-kv-formats.md", kv_formats.format_steps),
 ]
 
 

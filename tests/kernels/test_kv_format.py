@@ -1,12 +1,14 @@
 """The KV cache's formats (reference/kv_format.py, cuda_kernels/kv_format.py): e4m3 against an independent
 float64 implementation (the nearest of its 254 finite values, ties to the even code), and the GPU's
-conversions against the NumPy twins, bit for bit."""
+conversions against the NumPy twins, bit for bit: the bit-arithmetic e4m3 decode everywhere, the hardware
+one (cvt.rn.f16x2.e4m3x2, GPU only) in test_e4m3_hardware_decode_matches_the_reference_bit_for_bit."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_support import SIM, device_empty, examples, to_device
+from numba import cuda, uint8, uint32, uint64
 
 from cuda_kernels import kv_format as kernels
 from reference import kv_format as ref
@@ -157,3 +159,75 @@ def test_word_unpacking_device_versions():
         for fn in (kernels.unpack_f32x2_device, kernels.unpack_f32x2):
             got = np.array(fn(word), np.float32)
             assert got.view(np.uint32).tolist() == pair.view(np.uint32).tolist()
+
+
+def same_values(got: np.ndarray, want: np.ndarray) -> bool:
+    """float32 arrays equal bit for bit where want is a number, and NaN exactly where want is NaN (the NaN's
+    sign and payload may differ: the reference's -NaN for 0xFF, the GPU's own quiet NaN)."""
+    nan = np.isnan(want)
+    return (np.array_equal(np.isnan(got), nan)
+            and np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32)))
+
+
+@pytest.mark.skipif(not SIM, reason="a GPU device function cannot be called from the host; kernels use it there")
+def test_e4m3_pair_decode_by_bit_arithmetic():
+    """The decode the simulator runs (the bit arithmetic, also the GPU's below sm_89): every code in the low
+    byte and in the high byte of a pair, next to another code, and the readers' helpers over it."""
+    partner = (CODES.astype(np.int64) * 37 + 11) % 256
+    pairs = np.concatenate([CODES | (partner << 8), partner | (CODES.astype(np.int64) << 8)]).astype(np.uint16)
+    for fn in (kernels.e4m3x2_to_f32x2_arith, kernels.e4m3x2_to_f32x2):
+        got = np.array([fn(np.uint16(p)) for p in pairs], np.float32)
+        assert same_values(got[:, 0], ref.e4m3_to_f32((pairs & 0xFF).astype(np.uint8)))
+        assert same_values(got[:, 1], ref.e4m3_to_f32((pairs >> 8).astype(np.uint8)))
+    assert same_values(np.array([kernels.e4m3_to_f32(c) for c in CODES], np.float32), ref.e4m3_to_f32(CODES))
+    got = np.array([kernels.e4m3x4_to_f32x4(q) for q in CODES.view(np.uint32)], np.float32).ravel()
+    assert same_values(got, ref.e4m3_to_f32(CODES))
+
+
+@cuda.jit
+def _decode_everything(pairs, words, out_pairs, out_codes, out_words, out_quads):
+    """pairs (65536,) u16 -> out_pairs (2, 65536, 2) f32 (the chosen decode, then the bit arithmetic); codes
+    0..255 -> out_codes (256,) f32; words (W,) u64 -> out_words (W, 8) f32 (the fp8 codec's unpack) and
+    out_quads (W, 2) u64 (bf16 quads of each half)."""
+    i = cuda.grid(1)
+    if i < pairs.shape[0]:
+        lo, hi = kernels.e4m3x2_to_f32x2(pairs[i])
+        out_pairs[0, i, 0] = lo
+        out_pairs[0, i, 1] = hi
+        lo, hi = kernels.e4m3x2_to_f32x2_arith(pairs[i])
+        out_pairs[1, i, 0] = lo
+        out_pairs[1, i, 1] = hi
+    if i < out_codes.shape[0]:
+        out_codes[i] = kernels.e4m3_to_f32(uint8(i))
+    if i < words.shape[0]:
+        f = kernels.unpack_e4m3x8(words[i])
+        for c in range(8):
+            out_words[i, c] = f[c]
+        out_quads[i, 0] = kernels.e4m3x4_to_bf16x4(uint32(words[i] & uint64(0xFFFFFFFF)))
+        out_quads[i, 1] = kernels.e4m3x4_to_bf16x4(uint32(words[i] >> uint64(32)))
+
+
+@pytest.mark.skipif(SIM, reason="the hardware e4m3 decode (inline PTX through an @intrinsic) exists on a GPU "
+                                "only; the simulator runs the bit arithmetic (test_e4m3_pair_decode_by_bit_arithmetic)")
+def test_e4m3_hardware_decode_matches_the_reference_bit_for_bit():
+    """One launch: every 16-bit pair (each code in both bytes, next to every other code), every code alone,
+    and every code at each position of a 64-bit word, through the helpers the readers use, against the
+    reference; the pairs through the bit arithmetic too (the definition, here on the device). On sm_89 and
+    later the kernel must contain the hardware conversion (else the bit arithmetic)."""
+    pairs = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    words = np.concatenate([CODES, CODES[::-1], np.roll(CODES, 3)]).view(np.uint64)
+    out_pairs, out_codes = device_empty((2, 65536, 2), np.float32), device_empty(256, np.float32)
+    out_words, out_quads = device_empty((len(words), 8), np.float32), device_empty((len(words), 2), np.uint64)
+    _decode_everything[256, 256](to_device(pairs), to_device(words), out_pairs, out_codes, out_words, out_quads)
+    ptx = next(iter(_decode_everything.inspect_asm().values()))
+    hardware = tuple(cuda.get_current_device().compute_capability) >= kernels.E4M3_CVT_MIN_CC
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == hardware
+    for got in out_pairs.copy_to_host():   # the chosen decode, then the bit arithmetic
+        assert same_values(got[:, 0], ref.e4m3_to_f32((pairs & 0xFF).astype(np.uint8)))
+        assert same_values(got[:, 1], ref.e4m3_to_f32((pairs >> 8).astype(np.uint8)))
+    assert same_values(out_codes.copy_to_host(), ref.e4m3_to_f32(CODES))
+    want = ref.e4m3_to_f32(words.view(np.uint8))
+    assert same_values(out_words.copy_to_host().ravel(), want)
+    bf16 = out_quads.copy_to_host().view(np.uint16).ravel()   # element order: 4 bf16 a half, 8 a word
+    nan = np.isnan(want)
+    assert np.array_equal(bf16[~nan], f32_to_bf16(want[~nan])) and np.isnan(ref.kv_decode(bf16[nan])).all()
