@@ -99,15 +99,19 @@ GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes th
 # tiles were faster on the narrow weights (docs/performance.md, "gemm_tc or gemm_pipelined").
 PIPELINED_MIN_M = 128
 PIPELINED_WIDE_MIN_M = 64
-# gemv_tc for bf16 inputs from gemv's rows up to this many (its n8 tiles cover 64 rows). Its configurations
-# by weight (gemv_tc_config); the weights of few rows need their K split over more warps to fill the SMs.
+# gemv_tc for bf16 inputs from gemv's rows up to this many (its n8 tiles cover 64 rows), for weights of at most
+# GEMV_TC_MAX_WEIGHT elements: on the 1B model's QKV and O it beat gemm_pipelined's skinny plan at M = 16, 32
+# and 64; on gate/up, down and the LM head it lost at every M (H100, docs/performance.md, "gemv_tc").
 GEMV_TC_MAX_M = 8 * gemv_tc.MAX_NT
+GEMV_TC_MAX_WEIGHT = 8 << 20
+# gemv_tc_config's picks by n8 tiles (x rows / 8) and weight rows (up to GEMV_TC_NARROW_N, O-like; above, QKV-like)
+GEMV_TC_CONFIGS = {2: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1, 4)),
+                   4: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1, 2)),
+                   8: (gemv_tc.GemvTcConfig(8, 1, 2, True), gemv_tc.GemvTcConfig(4, 1, 8))}
+GEMV_TC_NARROW_N = 2048
 # NOTE: the engine keeps off gemv_tc in the simulator, where every emulated mma costs two block barriers over
 # Python threads (gemv_tc's own tests run there; a test switches this on to walk the engine's entry points).
 GEMV_TC_IN_ENGINE = not SIMULATOR
-GEMV_TC_NARROW = gemv_tc.GemvTcConfig(8, 1, 2)
-GEMV_TC_WIDE = gemv_tc.GemvTcConfig(4, 1, 4)
-GEMV_TC_NARROW_N = 4096        # weights of up to this many rows (or features, gated) take GEMV_TC_NARROW
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,17 +190,18 @@ def uses_pipelined(m: int, n: int, k: int) -> bool:
 
 def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
     """Whether matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemv_tc: bf16 inputs, m above
-    gemv's rows and at most GEMV_TC_MAX_M, k a multiple of gemv_tc's 32-k chunk (GEMV_TC_IN_ENGINE: not in
-    the simulator)."""
+    gemv's rows and at most GEMV_TC_MAX_M, a weight of at most GEMV_TC_MAX_WEIGHT elements, k a multiple of
+    gemv_tc's 32-k chunk (GEMV_TC_IN_ENGINE: not in the simulator). n: the weight's rows (gated: 2F)."""
     return (GEMV_TC_IN_ENGINE and bf16_inputs and not uses_gemv(m, n) and m <= GEMV_TC_MAX_M
-            and k % gemv_tc.CHUNK_K == 0)
+            and n * k <= GEMV_TC_MAX_WEIGHT and k % gemv_tc.CHUNK_K == 0)
 
 
 def gemv_tc_config(m: int, n: int, k: int, gated: bool = False) -> gemv_tc.GemvTcConfig:
     """The GemvTcConfig gemv_tc uses for x (m, k) @ W (n, k)^T (gated: W = [gate; up], n = 2F rows): a pure
-    function of the weight's shape. A weight of few rows has few 16-row tiles, so its K is split over 8 warps
-    a tile to put enough loads in flight on every SM; a wide weight fills the SMs with tiles alone."""
-    return GEMV_TC_NARROW if n <= GEMV_TC_NARROW_N else GEMV_TC_WIDE
+    function of the n8 tiles and the weight's rows. The small weights it serves have few 16-row tiles, so K
+    is split over 8 warps a tile (4 for the widest at 64 rows) to put enough loads in flight on every SM; the
+    unroll and pipelining are the fastest of the configurations timed (GEMV_TC_CONFIGS)."""
+    return GEMV_TC_CONFIGS[gemv_tc.n_tiles(m)][n > GEMV_TC_NARROW_N]
 
 
 def reads_planes(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False, split_workspace=None) -> bool:
