@@ -49,10 +49,12 @@ the QKV projection), A rows g and g + 8 are rows i and i + d/2 of a head, rotate
 as rope.rope_kv_write would (q; K and V into the cache in its format), so no qkv intermediate and no RoPE
 kernel.
 
-Versions (continuing matmul.py's list): 8. this kernel, for bf16 inputs at M between gemv's rows and
-SKINNY_TC_MAX_M, where gemm_pipelined's skinny plan stages W through shared memory and adds split-K partials
-across blocks. The policy (matmul.py) picks it by shape; the configurations were timed with
-``python -m tools.kernel_benchmarks.matmul --skinny`` (docs/performance.md).
+Versions (continuing matmul.py's list): 8. this kernel, for bf16 inputs at M between gemv's rows and 64, where
+gemm_pipelined's skinny plan stages W through shared memory and adds split-K partials across blocks. It wins on
+small weights and loses on large ones (each warp reads x's fragments itself, one load per n8 tile and k-step,
+where the skinny plan stages x once per block): matmul.uses_gemv_tc picks it by shape, gemv_tc_config its
+configuration, both as timed with ``python -m tools.kernel_benchmarks.matmul --gemv-tc``
+(docs/performance.md, "gemv_tc").
 """
 
 from __future__ import annotations
