@@ -173,13 +173,13 @@ else:
 
 @lru_cache(maxsize=None)
 def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
-    D, BS = head_dim, block_size
+    D, BLOCK_SIZE = head_dim, block_size
     ARENA = NAIVE_MAX_CONTEXT + D      # shared floats: the row of scores, then the query
     decode = kv_format.codec(fmt)[1]
 
     @cuda.jit
     def prefill_naive_kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
-        # q, out (T, Hq, D) f32; k_cache, v_cache (blocks, BS, Hkv, D) in format fmt; block_tables
+        # q, out (T, Hq, D) f32; k_cache, v_cache (blocks, BLOCK_SIZE, Hkv, D) in format fmt; block_tables
         # (S, max_blocks) i32; scale includes fp8's k_scale
         seq, i, h = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         lane = cuda.threadIdx.x
@@ -207,7 +207,7 @@ def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
         # Pass 1: every score, and their maximum.
         local_max = NEG_INF
         for j in range(lane, n_keys, WARP):
-            block, offset = block_tables[seq, j // BS], j % BS
+            block, offset = block_tables[seq, j // BLOCK_SIZE], j % BLOCK_SIZE
             dot = float32(0)
             for t in range(D):
                 dot += qs[t] * decode(k_cache[block, offset, kvh, t])
@@ -228,7 +228,7 @@ def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
         for t in range(lane, D, WARP):
             acc = float32(0)
             for j in range(n_keys):
-                block, offset = block_tables[seq, j // BS], j % BS
+                block, offset = block_tables[seq, j // BLOCK_SIZE], j % BLOCK_SIZE
                 acc += scores[j] * decode(v_cache[block, offset, kvh, t])
             out[row, h, t] = acc / total * v_scale
 
@@ -258,45 +258,45 @@ def row_tile(q, k_words, cu_seqlens_q, context_lens, rows):
 
 @lru_cache(maxsize=None)
 def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: str = "bf16"):
-    D, BS, R, NW = head_dim, block_size, rows, warps
-    RW = R // NW      # query rows per warp
-    NT = NW * WARP
-    WD = D // WORD_ELEMS[fmt]   # uint64 words per K/V row (4 bf16, 2 fp32 or 8 fp8 each)
+    D, BLOCK_SIZE, ROWS, WARPS = head_dim, block_size, rows, warps
+    ROWS_PER_WARP = ROWS // WARPS      # query rows per warp
+    THREADS = WARPS * WARP
+    ROW_WORDS = D // WORD_ELEMS[fmt]   # uint64 words per K/V row (4 bf16, 2 fp32 or 8 fp8 each)
     stage = widening_store(fmt)
-    # NOTE: odd row stride: lane j reading ks[j * KS + i] hits bank (j + i) % 32
-    KS = D + 1
-    DPL = (D + WARP - 1) // WARP      # output dims per lane: lane owns dims lane, lane + 32, ...
-    STAGE = (TILE * WD + NT - 1) // NT  # uint64 words of a K (or V) tile
-    QLOAD = (R * D + NT - 1) // NT              # floats of the block's query rows
-    K_OFF = R * D                   # shared-memory layout, in floats
-    V_OFF = K_OFF + TILE * KS
+    # NOTE: odd row stride: lane j reading ks[j * K_STRIDE + i] hits bank (j + i) % 32
+    K_STRIDE = D + 1
+    DIMS_PER_LANE = (D + WARP - 1) // WARP      # output dims per lane: lane owns dims lane, lane + 32, ...
+    WORDS_PER_THREAD = (TILE * ROW_WORDS + THREADS - 1) // THREADS  # uint64 words of a K (or V) tile
+    Q_PER_THREAD = (ROWS * D + THREADS - 1) // THREADS              # floats of the block's query rows
+    K_OFF = ROWS * D                   # shared-memory layout, in floats
+    V_OFF = K_OFF + TILE * K_STRIDE
     P_OFF = V_OFF + TILE * D
-    L_OFF = P_OFF + R * TILE
-    SHARED_FLOATS = L_OFF + R
-    ACC = RW * DPL   # accumulators per lane (sizes must be plain constants for numba)
+    L_OFF = P_OFF + ROWS * TILE
+    SHARED_FLOATS = L_OFF + ROWS
+    ACC = ROWS_PER_WARP * DIMS_PER_LANE   # accumulators per lane (sizes must be plain constants for numba)
 
     @cuda.jit
     def prefill_flash_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
-        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, WD) u64 (the caches, 64 bits
+        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, ROW_WORDS) u64 (the caches, 64 bits
         # per word); scale includes fp8's k_scale
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words, cu_seqlens_q, context_lens, R)
+        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words, cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
-        wrow0 = warp * RW                       # this warp's first row within the block
+        wrow0 = warp * ROWS_PER_WARP                       # this warp's first row within the block
 
         arena = cuda.shared.array(SHARED_FLOATS, float32)  # one allocation (they are slow in the simulator)
-        qs = arena[:K_OFF]              # the block's query rows (R x D), reused for the output
-        ks = arena[K_OFF:V_OFF]         # K tile (TILE x KS), widened to fp32, padded rows
+        qs = arena[:K_OFF]              # the block's query rows (ROWS x D), reused for the output
+        ks = arena[K_OFF:V_OFF]         # K tile (TILE x K_STRIDE), widened to fp32, padded rows
         vs = arena[V_OFF:P_OFF]         # V tile (TILE x D), widened to fp32
-        ps = arena[P_OFF:L_OFF]         # per row (R x TILE): the tile's scores, then its probabilities
+        ps = arena[P_OFF:L_OFF]         # per row (ROWS x TILE): the tile's scores, then its probabilities
         inv_l = arena[L_OFF:]           # per row: 1 / sum of the probabilities
 
-        for n in range(QLOAD):
-            e = tid + NT * n
-            if e < R * D:
+        for n in range(Q_PER_THREAD):
+            e = tid + THREADS * n
+            if e < ROWS * D:
                 r = row0 + e // D
                 value = float32(0)
                 if r < n_rows:
@@ -305,12 +305,12 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: st
 
         # Per-row state of this warp's rows. m is the same in every lane; l is each lane's share of the sum
         # (its own keys), added across lanes once at the end, not once per tile.
-        m = cuda.local.array(RW, float32)
-        l = cuda.local.array(RW, float32)
-        corr = cuda.local.array(RW, float32)
+        m = cuda.local.array(ROWS_PER_WARP, float32)
+        l = cuda.local.array(ROWS_PER_WARP, float32)
+        corr = cuda.local.array(ROWS_PER_WARP, float32)
         acc = cuda.local.array(ACC, float32)
-        sc = cuda.local.array(RW, float32)
-        for r in range(RW):
+        sc = cuda.local.array(ROWS_PER_WARP, float32)
+        for r in range(ROWS_PER_WARP):
             m[r] = NEG_INF
             l[r] = float32(0)
         for a in range(ACC):
@@ -318,37 +318,37 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: st
         cuda.syncthreads()
 
         for t0 in range(0, k_end, TILE):
-            # Stage the tile: thread tid copies words tid + NT * n. NOTE: four loads, then four stores: a
+            # Stage the tile: thread tid copies words tid + THREADS * n. NOTE: four loads, then four stores: a
             # load's first use stalls the (in-order) warp until the data arrives, so issuing them together pays
             # the memory latency once per four words instead of once per word.
-            for n in range(0, STAGE, 4):
-                u = tid + NT * n
-                ka, va = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u, WD, BS)
-                kb, vb = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + NT, WD,
-                                   BS)
-                kc, vc = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 2 * NT, WD,
-                                   BS)
-                kd, vd = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 3 * NT, WD,
-                                   BS)
-                stage(ks, vs, u, ka, va, WD, KS)
-                stage(ks, vs, u + NT, kb, vb, WD, KS)
-                stage(ks, vs, u + 2 * NT, kc, vc, WD, KS)
-                stage(ks, vs, u + 3 * NT, kd, vd, WD, KS)
+            for n in range(0, WORDS_PER_THREAD, 4):
+                u = tid + THREADS * n
+                ka, va = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u, ROW_WORDS, BLOCK_SIZE)
+                kb, vb = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + THREADS, ROW_WORDS,
+                                   BLOCK_SIZE)
+                kc, vc = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 2 * THREADS, ROW_WORDS,
+                                   BLOCK_SIZE)
+                kd, vd = tile_word(k_words, v_words, block_tables, seq, kvh, t0, k_end, u + 3 * THREADS, ROW_WORDS,
+                                   BLOCK_SIZE)
+                stage(ks, vs, u, ka, va, ROW_WORDS, K_STRIDE)
+                stage(ks, vs, u + THREADS, kb, vb, ROW_WORDS, K_STRIDE)
+                stage(ks, vs, u + 2 * THREADS, kc, vc, ROW_WORDS, K_STRIDE)
+                stage(ks, vs, u + 3 * THREADS, kd, vd, ROW_WORDS, K_STRIDE)
             cuda.syncthreads()
 
             # Scores of key t0 + lane against the warp's rows (q broadcast from shared memory).
-            for r in range(RW):
+            for r in range(ROWS_PER_WARP):
                 sc[r] = float32(0)
             for i in range(D):
-                kv = ks[lane * KS + i]
-                for r in range(RW):
+                kv = ks[lane * K_STRIDE + i]
+                for r in range(ROWS_PER_WARP):
                     sc[r] += qs[(wrow0 + r) * D + i] * kv
-            for r in range(RW):
+            for r in range(ROWS_PER_WARP):
                 ps[(wrow0 + r) * TILE + lane] = sc[r]
 
             # Online softmax update of every row (same trip count in every lane: the reductions need it).
             key = t0 + lane
-            for r in range(RW):
+            for r in range(ROWS_PER_WARP):
                 row = row0 + wrow0 + r
                 visible = row < n_rows and key <= first + row // group
                 score = float32(scale) * ps[(wrow0 + r) * TILE + lane] if visible else NEG_INF
@@ -366,32 +366,32 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: st
             # acc = acc * exp(m_old - m_new) + P V. NOTE: every accumulation is fp32. Masked keys have p = 0
             # and a zero V row, so the tile is walked whole. The loops indexing acc have compile-time trip
             # counts and small bodies so that acc can live in registers.
-            for r in range(RW):
-                for c in range(DPL):
-                    acc[r * DPL + c] *= corr[r]
+            for r in range(ROWS_PER_WARP):
+                for c in range(DIMS_PER_LANE):
+                    acc[r * DIMS_PER_LANE + c] *= corr[r]
             for j in range(TILE):
-                for c in range(DPL):
+                for c in range(DIMS_PER_LANE):
                     dim = lane + WARP * c
                     if dim < D:
                         v = vs[j * D + dim]
-                        for r in range(RW):
-                            acc[r * DPL + c] += ps[(wrow0 + r) * TILE + j] * v
+                        for r in range(ROWS_PER_WARP):
+                            acc[r * DIMS_PER_LANE + c] += ps[(wrow0 + r) * TILE + j] * v
             cuda.syncthreads()  # before the next tile overwrites ks, vs
 
         # Epilogue: the row sums across lanes, then the output through shared memory (coalesced stores).
-        for r in range(RW):
+        for r in range(ROWS_PER_WARP):
             total = warp_sum(l[r])
             if lane == 0:
                 inv_l[wrow0 + r] = v_scale / total if total > float32(0) else float32(0)
-        for r in range(RW):
-            for c in range(DPL):
+        for r in range(ROWS_PER_WARP):
+            for c in range(DIMS_PER_LANE):
                 dim = lane + WARP * c
                 if dim < D:
-                    qs[(wrow0 + r) * D + dim] = acc[r * DPL + c]
+                    qs[(wrow0 + r) * D + dim] = acc[r * DIMS_PER_LANE + c]
         cuda.syncthreads()
-        for n in range(QLOAD):
-            e = tid + NT * n
-            if e < R * D:
+        for n in range(Q_PER_THREAD):
+            e = tid + THREADS * n
+            if e < ROWS * D:
                 r = row0 + e // D
                 if r < n_rows:
                     out[q_begin + r // group, kvh * group + r % group, e % D] = qs[e] * inv_l[e // D]

@@ -30,8 +30,8 @@ owns ROWS query rows of one sequence and one KV head, a row being a (query token
 pair, so the group's query heads share every K/V tile. ROWS = 16 * WARPS (tc_config: 4 warps, 64-key tiles
 at d <= 64). Warp w owns rows 16 w .. 16 w + 15 of the block (one m16 tile); lane (g, t) = (lane // 4,
 lane % 4) holds, in the mma's D layout, rows g and g + 8 and columns 2t, 2t + 1 of every n8 tile. Per tile
-of KT keys the block stages K and V in shared memory as bf16 quads (uint64), then each warp computes
-    S (16 x KT) = Q K^T   A = Q (three bf16 pieces, quads in shared memory), B[k = dim, n = key] = K
+of TILE_KEYS keys the block stages K and V in shared memory as bf16 quads (uint64), then each warp computes
+    S (16 x TILE_KEYS) = Q K^T   A = Q (three bf16 pieces, quads in shared memory), B[k = dim, n = key] = K
     online softmax of S          in registers, row max/sum across the 4 lanes of a group (2 shuffles)
     O (16 x d) += P V            A = P straight from S's accumulators, B[k = key, n = dim] = V
 and after the last tile out = O / l. Nothing of size context is held; causal: a block walks keys 0 .. its
@@ -202,41 +202,41 @@ def _same_quad(word):
 def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "bf16"):
     """The tensor-core flash kernel: `warps` warps of 16 query rows each, K/V tiles of `keys` keys; fmt "bf16"
     (cache words: uint64 quads of bf16) or "fp8" (uint32 quads of e4m3, made bf16 quads as they are staged)."""
-    D, BS, NW, KT = head_dim, block_size, warps, keys
+    D, BLOCK_SIZE, WARPS, TILE_KEYS = head_dim, block_size, warps, keys
     quad = _same_quad if fmt == "bf16" else e4m3x4_to_bf16x4
-    R = 16 * NW                # query rows per block: one m16 tile per warp
-    NT = NW * WARP
-    DS = D // 16              # mma k-steps over the head dim (S = Q K^T)
-    DJ = D // 8               # n8 tiles over the head dim (O = P V)
-    NJ = KT // 8       # n8 tiles over the keys of a tile (S)
-    KS = KT // 16      # mma k-steps over the keys of a tile (P V)
-    WD = D // 4               # uint64 words (4 bf16) per K/V row
+    ROWS = 16 * WARPS                # query rows per block: one m16 tile per warp
+    THREADS = WARPS * WARP
+    DIM_STEPS = D // 16              # mma k-steps over the head dim (S = Q K^T)
+    DIM_TILES = D // 8               # n8 tiles over the head dim (O = P V)
+    KEY_TILES = TILE_KEYS // 8       # n8 tiles over the keys of a tile (S)
+    KEY_STEPS = TILE_KEYS // 16      # mma k-steps over the keys of a tile (P V)
+    ROW_WORDS = D // 4               # uint64 words (4 bf16) per K/V row
     # NOTE: one padding row per plane moves consecutive planes 8 banks apart, so the half-warp that stores
     # the four planes' quads of one row (K) or of four rows (V) hits 32 distinct banks; fragment loads read a
     # half-warp's 16 consecutive quads either way.
-    KROWS = KT + 1     # ks plane (one per 16 dims): KT key rows of 4 quads
-    VROWS = D + 1             # vs plane (one per 16 keys): D dim rows of 4 quads
-    Q_SHARED = 3 * DS * R * 4
-    K_SHARED = DS * KROWS * 4   # NOTE: array sizes must be plain closure constants for numba
-    V_SHARED = KS * VROWS * 4
-    KQ = KT // 4       # key quads per tile
-    if NT % WD or NT % KQ:
-        raise ValueError(f"prefill_attention_tc: {NT} threads must be a multiple of {WD} and of "
-                         f"{KQ}")
-    K_STEP = NT // WD    # K rows staged per pass of the block
-    K_PER = (KT + K_STEP - 1) // K_STEP   # K words staged per thread
-    V_STEP = NT // KQ    # V words (of 4 dims) staged per pass, each for 4 keys
-    V_PER = (WD + V_STEP - 1) // V_STEP
-    V_LOADS = 4 * V_PER
-    SACC = NJ * 4             # S (then P) accumulators per lane
-    OACC = DJ * 4             # O accumulators per lane
+    K_PLANE_ROWS = TILE_KEYS + 1     # ks plane (one per 16 dims): TILE_KEYS key rows of 4 quads
+    V_PLANE_ROWS = D + 1             # vs plane (one per 16 keys): D dim rows of 4 quads
+    Q_SHARED = 3 * DIM_STEPS * ROWS * 4
+    K_SHARED = DIM_STEPS * K_PLANE_ROWS * 4   # NOTE: array sizes must be plain closure constants for numba
+    V_SHARED = KEY_STEPS * V_PLANE_ROWS * 4
+    KEY_QUADS = TILE_KEYS // 4       # key quads per tile
+    if THREADS % ROW_WORDS or THREADS % KEY_QUADS:
+        raise ValueError(f"prefill_attention_tc: {THREADS} threads must be a multiple of {ROW_WORDS} and of "
+                         f"{KEY_QUADS}")
+    K_STEP = THREADS // ROW_WORDS    # K rows staged per pass of the block
+    K_PER_THREAD = (TILE_KEYS + K_STEP - 1) // K_STEP   # K words staged per thread
+    V_STEP = THREADS // KEY_QUADS    # V words (of 4 dims) staged per pass, each for 4 keys
+    V_PER_THREAD = (ROW_WORDS + V_STEP - 1) // V_STEP
+    V_LOADS = 4 * V_PER_THREAD
+    SACC = KEY_TILES * 4             # S (then P) accumulators per lane
+    OACC = DIM_TILES * 4             # O accumulators per lane
 
     @cuda.jit
     def prefill_tc_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
-        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BS, Hkv, D/4): quads of 4 elements (bf16:
+        # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, D/4): quads of 4 elements (bf16:
         # u64; fp8: u32); scale includes fp8's k_scale
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words, cu_seqlens_q, context_lens, R)
+        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words, cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
@@ -248,9 +248,9 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
         pos_lo = first + r_lo // group
         pos_hi = first + (r_lo + 8) // group
 
-        # ks[(s * KROWS + row) * 4 + u]: dims 16 s + 4 u .. + 3 of the key at shared row `row` (a
-        # permuted key order, see the docstring); vs[(s * VROWS + dim) * 4 + u]: dim `dim` of keys
-        # 16 s + 4 u .. + 3. qs[((p * DS + s) * R + row) * 4 + u]: bf16 piece p of dims
+        # ks[(s * K_PLANE_ROWS + row) * 4 + u]: dims 16 s + 4 u .. + 3 of the key at shared row `row` (a
+        # permuted key order, see the docstring); vs[(s * V_PLANE_ROWS + dim) * 4 + u]: dim `dim` of keys
+        # 16 s + 4 u .. + 3. qs[((p * DIM_STEPS + s) * ROWS + row) * 4 + u]: bf16 piece p of dims
         # 16 s + 4 u .. + 3 of the block's row.
         qs = cuda.shared.array(Q_SHARED, uint64)
         ks = cuda.shared.array(K_SHARED, uint64)
@@ -259,14 +259,14 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
         # then a base register plus an immediate, instead of one live 64-bit register per unrolled access
         # (LLVM hoists the loop-invariant addresses out of the key loop: 255 registers and spills at 64-key
         # tiles, against 224 and none this way).
-        k_row, k_word = tid // WD, tid % WD
-        v_quad, v_word = tid % KQ, tid // KQ
-        k_store = ks[((k_word // 4) * KROWS + k_row) * 4 + k_word % 4:]
-        v_store = vs[((v_quad // 4) * VROWS + 4 * v_word) * 4 + v_quad % 4:]
+        k_row, k_word = tid // ROW_WORDS, tid % ROW_WORDS
+        v_quad, v_word = tid % KEY_QUADS, tid // KEY_QUADS
+        k_store = ks[((k_word // 4) * K_PLANE_ROWS + k_row) * 4 + k_word % 4:]
+        v_store = vs[((v_quad // 4) * V_PLANE_ROWS + 4 * v_word) * 4 + v_quad % 4:]
         q_frag = qs[(16 * warp + g) * 4 + t:]     # A fragments of S: quad t of rows g, g + 8, plane (p, s)
         k_frag = ks[4 * g + t:]      # B fragments of S: quad t of shared row 8 j + g, plane s
         v_frag = vs[4 * g + t:]      # B fragments of P V: quad t of dim 8 j + g, plane s
-        kr = cuda.local.array(K_PER, uint64)   # the tile's words in flight, between loads and stores
+        kr = cuda.local.array(K_PER_THREAD, uint64)   # the tile's words in flight, between loads and stores
         vr = cuda.local.array(V_LOADS, uint64)
         sacc = cuda.local.array(SACC, float32)
         oacc = cuda.local.array(OACC, float32)
@@ -281,7 +281,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
             r = r_lo + 8 * half
             token = q_begin + r // group
             head = kvh * group + r % group
-            for s in range(DS):
+            for s in range(DIM_STEPS):
                 dim = 16 * s + 4 * t
                 x0, x1, x2, x3 = float32(0), float32(0), float32(0), float32(0)
                 if r < n_rows:
@@ -291,40 +291,40 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
                 h1, d1, l1 = split_bf16x3(x1)
                 h2, d2, l2 = split_bf16x3(x2)
                 h3, d3, l3 = split_bf16x3(x3)
-                q_frag[(s * R + 8 * half) * 4] = pack4(h0, h1, h2, h3)
-                q_frag[((DS + s) * R + 8 * half) * 4] = pack4(d0, d1, d2, d3)
-                q_frag[((2 * DS + s) * R + 8 * half) * 4] = pack4(l0, l1, l2, l3)
+                q_frag[(s * ROWS + 8 * half) * 4] = pack4(h0, h1, h2, h3)
+                q_frag[((DIM_STEPS + s) * ROWS + 8 * half) * 4] = pack4(d0, d1, d2, d3)
+                q_frag[((2 * DIM_STEPS + s) * ROWS + 8 * half) * 4] = pack4(l0, l1, l2, l3)
         for i in range(OACC):
             oacc[i] = float32(0)
         for half in range(2):
             m[half] = NEG_INF
             l[half] = float32(0)
 
-        for t0 in range(0, k_end, KT):
+        for t0 in range(0, k_end, TILE_KEYS):
             # Stage the tile: all loads first, then all stores (NOTE: a load's first use stalls the warp, so
             # issuing them together pays the memory latency once). Thread tid fills shared K rows
-            # tid // WD + n * K_STEP, word tid % WD (a half-warp reads one key's row: coalesced),
-            # and V blocks (keys 4 (tid % KQ) .. + 3) x (word tid // KQ + n * V_STEP), one 4 x 4
+            # tid // ROW_WORDS + n * K_STEP, word tid % ROW_WORDS (a half-warp reads one key's row: coalesced),
+            # and V blocks (keys 4 (tid % KEY_QUADS) .. + 3) x (word tid // KEY_QUADS + n * V_STEP), one 4 x 4
             # transpose each.
-            for n in range(K_PER):
+            for n in range(K_PER_THREAD):
                 row = k_row + n * K_STEP
                 kr[n] = U64_ZERO
-                if row < KT:
+                if row < TILE_KEYS:
                     # the key stored at shared row `row` (the inverse of the permutation in the docstring)
                     kk = 16 * (row // 16) + 4 * ((row % 8) // 2) + 2 * ((row // 8) % 2) + row % 2
-                    kr[n] = cache_word(k_words, block_tables, seq, kvh, t0 + kk, k_end, k_word, BS)
-            for n in range(V_PER):
+                    kr[n] = cache_word(k_words, block_tables, seq, kvh, t0 + kk, k_end, k_word, BLOCK_SIZE)
+            for n in range(V_PER_THREAD):
                 w = v_word + n * V_STEP
                 for i in range(4):
                     vr[4 * n + i] = U64_ZERO
-                    if w < WD:
+                    if w < ROW_WORDS:
                         vr[4 * n + i] = cache_word(v_words, block_tables, seq, kvh, t0 + 4 * v_quad + i, k_end, w,
-                                                   BS)
-            for n in range(K_PER):
-                if k_row + n * K_STEP < KT:
+                                                   BLOCK_SIZE)
+            for n in range(K_PER_THREAD):
+                if k_row + n * K_STEP < TILE_KEYS:
                     k_store[4 * K_STEP * n] = quad(kr[n])
-            for n in range(V_PER):
-                if v_word + n * V_STEP < WD:
+            for n in range(V_PER_THREAD):
+                if v_word + n * V_STEP < ROW_WORDS:
                     c0, c1, c2, c3 = transpose_bf16x4(quad(vr[4 * n]), quad(vr[4 * n + 1]), quad(vr[4 * n + 2]),
                                                       quad(vr[4 * n + 3]))
                     v_store[16 * V_STEP * n] = c0
@@ -333,23 +333,23 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
                     v_store[16 * V_STEP * n + 12] = c3
             cuda.syncthreads()
 
-            # S = Q K^T (16 rows x KT keys per warp): per k-step, 3 mma (the Q pieces) per n8 tile of keys.
+            # S = Q K^T (16 rows x TILE_KEYS keys per warp): per k-step, 3 mma (the Q pieces) per n8 tile of keys.
             for i in range(SACC):
                 sacc[i] = float32(0)
-            for s in range(DS):
+            for s in range(DIM_STEPS):
                 for p in range(3):
-                    a0, a2 = halves(q_frag[((p * DS + s) * R) * 4])
-                    a1, a3 = halves(q_frag[((p * DS + s) * R + 8) * 4])
-                    for j in range(NJ):
-                        b0, b1 = halves(k_frag[(s * KROWS + 8 * j) * 4])
+                    a0, a2 = halves(q_frag[((p * DIM_STEPS + s) * ROWS) * 4])
+                    a1, a3 = halves(q_frag[((p * DIM_STEPS + s) * ROWS + 8) * 4])
+                    for j in range(KEY_TILES):
+                        b0, b1 = halves(k_frag[(s * K_PLANE_ROWS + 8 * j) * 4])
                         sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3])
 
             # Online softmax. Element (j, c) of this lane is row g (c < 2) or g + 8, key t0 + 16 (j // 2)
             # + 4 t + 2 (j % 2) + c % 2.
-            masked = t0 + KT - 1 > diag   # the diagonal tile(s): some key lies past some row's position
+            masked = t0 + TILE_KEYS - 1 > diag   # the diagonal tile(s): some key lies past some row's position
             mx_lo, mx_hi = NEG_INF, NEG_INF
-            for j in range(NJ):
+            for j in range(KEY_TILES):
                 for c in range(4):
                     x = scale * sacc[4 * j + c]
                     if masked:
@@ -369,7 +369,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
             corr_lo, corr_hi = float32(math.exp(m[0] - safe_lo)), float32(math.exp(m[1] - safe_hi))
             m[0], m[1] = m_lo, m_hi
             sum_lo, sum_hi = float32(0), float32(0)
-            for j in range(NJ):
+            for j in range(KEY_TILES):
                 for c in range(4):
                     prob = float32(math.exp(sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi)))
                     sacc[4 * j + c] = prob
@@ -379,7 +379,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
                         sum_hi += prob
             l[0] = l[0] * corr_lo + sum_lo
             l[1] = l[1] * corr_hi + sum_hi
-            for j in range(DJ):
+            for j in range(DIM_TILES):
                 oacc[4 * j] *= corr_lo
                 oacc[4 * j + 1] *= corr_lo
                 oacc[4 * j + 2] *= corr_hi
@@ -387,7 +387,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
 
             # O += P V. The S accumulators of n8 tiles 2s and 2s + 1 are exactly the A fragment of key step s
             # (keys 16 s + 4 t, + 1 in a0 / a1, + 2, + 3 in a2 / a3), split into three bf16 pieces.
-            for s in range(KS):
+            for s in range(KEY_STEPS):
                 j0, j1 = 8 * s, 8 * s + 4
                 h0, d0, l0 = split_bf16x3(sacc[j0])
                 h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
@@ -404,8 +404,8 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
                         a0, a1, a2, a3 = bf16_pair(d0, d1), bf16_pair(d2, d3), bf16_pair(d4, d5), bf16_pair(d6, d7)
                     else:
                         a0, a1, a2, a3 = bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), bf16_pair(l6, l7)
-                    for j in range(DJ):
-                        b0, b1 = halves(v_frag[(s * VROWS + 8 * j) * 4])
+                    for j in range(DIM_TILES):
+                        b0, b1 = halves(v_frag[(s * V_PLANE_ROWS + 8 * j) * 4])
                         oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
             cuda.syncthreads()  # before the next tile overwrites ks, vs
@@ -418,7 +418,7 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
             if r < n_rows:
                 token = q_begin + r // group
                 head = kvh * group + r % group
-                for j in range(DJ):
+                for j in range(DIM_TILES):
                     out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] / total
                     out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] / total
 

@@ -80,31 +80,31 @@ MAX_WARPS = 2 if SIMULATOR else 4   # warps per block (the simulator runs one Py
 @lru_cache(maxsize=None)
 def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int, fmt: str = "bf16"):
     """The walk kernel (paged_attention_walk) for one head_dim, block size, KV head count and KV format."""
-    D, BS, HKV = head_dim, block_size, num_kv_heads
-    DPL = -(-D // WARP)    # lane i owns dims i, i + 32, ... of q, acc and out
+    D, BLOCK_SIZE, HKV = head_dim, block_size, num_kv_heads
+    DIMS_PER_LANE = -(-D // WARP)    # lane i owns dims i, i + 32, ... of q, acc and out
     decode = kv_format.codec(fmt)[1]
 
     @cuda.jit
     def walk_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, v_scale, out):
-        # q, out (S, Hq, D) f32; k_cache, v_cache (blocks, BS, HKV, D) in format fmt; block_tables (S,
+        # q, out (S, Hq, D) f32; k_cache, v_cache (blocks, BLOCK_SIZE, HKV, D) in format fmt; block_tables (S,
         # max_blocks) i32; context_lens (S,) i32; scale includes fp8's k_scale. grid (S, Hq), one warp per block.
         seq, head = cuda.blockIdx.x, cuda.blockIdx.y
         lane = cuda.threadIdx.x
         kvh = head // (q.shape[1] // HKV)
-        qr = cuda.local.array(DPL, float32)
-        acc = cuda.local.array(DPL, float32)
-        for i in range(DPL):
+        qr = cuda.local.array(DIMS_PER_LANE, float32)
+        acc = cuda.local.array(DIMS_PER_LANE, float32)
+        for i in range(DIMS_PER_LANE):
             d = lane + i * WARP
             qr[i] = q[seq, head, d] if d < D else float32(0)
             acc[i] = float32(0)
         m = NEG_INF
         l = float32(0)
         for j in range(context_lens[seq]):
-            # token j of the context: block table entry j // BS, offset j % BS (the paged-cache lookup)
-            block = block_tables[seq, j // BS]
-            offset = j % BS
+            # token j of the context: block table entry j // BLOCK_SIZE, offset j % BLOCK_SIZE (the paged-cache lookup)
+            block = block_tables[seq, j // BLOCK_SIZE]
+            offset = j % BLOCK_SIZE
             dot = float32(0)
-            for i in range(DPL):
+            for i in range(DIMS_PER_LANE):
                 d = lane + i * WARP
                 if d < D:
                     dot += qr[i] * decode(k_cache[block, offset, kvh, d])
@@ -114,12 +114,12 @@ def _walk_kernel(head_dim: int, block_size: int, num_kv_heads: int, fmt: str = "
             c = math.exp(m - m_new)         # 0 at the first key (m = -inf)
             p = math.exp(score - m_new)
             l = l * c + p
-            for i in range(DPL):
+            for i in range(DIMS_PER_LANE):
                 d = lane + i * WARP
                 if d < D:
                     acc[i] = acc[i] * c + p * decode(v_cache[block, offset, kvh, d])
             m = m_new
-        for i in range(DPL):
+        for i in range(DIMS_PER_LANE):
             d = lane + i * WARP
             if d < D:
                 out[seq, head, d] = acc[i] / l * v_scale if l > float32(0) else float32(0)
@@ -150,23 +150,23 @@ else:
 @lru_cache(maxsize=None)
 def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: int):
     """(v1 kernel, split kernel) for one head_dim, block size, KV head count and warps per block."""
-    D, BS, HKV, NW = head_dim, block_size, num_kv_heads, warps
-    NT = NW * WARP
-    WD = D // 4               # uint64 words (4 bf16) per K/V row
-    KS = WD + 1         # NOTE: odd row stride (in 64-bit words) of the K tile: conflict-free column reads
-    KG = WARP // WD   # key groups in the P V phase: lane = g * WD + w for g < KG
+    D, BLOCK_SIZE, HKV, WARPS = head_dim, block_size, num_kv_heads, warps
+    THREADS = WARPS * WARP
+    ROW_WORDS = D // 4               # uint64 words (4 bf16) per K/V row
+    K_STRIDE = ROW_WORDS + 1         # NOTE: odd row stride (in 64-bit words) of the K tile: conflict-free column reads
+    KEY_GROUPS = WARP // ROW_WORDS   # key groups in the P V phase: lane = g * ROW_WORDS + w for g < KEY_GROUPS
     # Shared memory, one float32 and one uint64 arena (offsets in elements):
-    #   f32: q (D) | p (NW x TILE) | warp max (NW) | warp sum (NW) | warp acc (NW x KG x D)
-    #   u64: K tiles (NW x TILE x KS) | V tiles (NW x TILE x WD), one tile of each per warp
-    #   i32: cache row of each key of each warp's tile (NW x TILE)
+    #   f32: q (D) | p (WARPS x TILE) | warp max (WARPS) | warp sum (WARPS) | warp acc (WARPS x KEY_GROUPS x D)
+    #   u64: K tiles (WARPS x TILE x K_STRIDE) | V tiles (WARPS x TILE x ROW_WORDS), one tile of each per warp
+    #   i32: cache row of each key of each warp's tile (WARPS x TILE)
     P_OFF = D
-    MAX_OFF = P_OFF + NW * TILE
-    SUM_OFF = MAX_OFF + NW
-    ACC_OFF = SUM_OFF + NW
-    F32_SIZE = ACC_OFF + NW * KG * D
-    V_OFF = NW * TILE * KS
-    U64_SIZE = V_OFF + NW * TILE * WD
-    ROWS_SIZE = NW * TILE         # (array sizes must be plain constants for numba, not expressions)
+    MAX_OFF = P_OFF + WARPS * TILE
+    SUM_OFF = MAX_OFF + WARPS
+    ACC_OFF = SUM_OFF + WARPS
+    F32_SIZE = ACC_OFF + WARPS * KEY_GROUPS * D
+    V_OFF = WARPS * TILE * K_STRIDE
+    U64_SIZE = V_OFF + WARPS * TILE * ROW_WORDS
+    ROWS_SIZE = WARPS * TILE         # (array sizes must be plain constants for numba, not expressions)
 
     @cuda.jit(device=True)
     def walk(q, k_rows, v_rows, block_tables, seq, head, k_begin, k_end, scale, f32, u64, rows):
@@ -175,12 +175,12 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         kvh = head // (q.shape[1] // HKV)
-        g, w_own = lane // WD, lane % WD
-        k_tile = warp * TILE * KS              # this warp's K tile in u64
-        v_tile = V_OFF + warp * TILE * WD     # this warp's V tile in u64
+        g, w_own = lane // ROW_WORDS, lane % ROW_WORDS
+        k_tile = warp * TILE * K_STRIDE              # this warp's K tile in u64
+        v_tile = V_OFF + warp * TILE * ROW_WORDS     # this warp's V tile in u64
         p_row = P_OFF + warp * TILE                  # this warp's probabilities in f32
         r_row = warp * TILE                          # this warp's cache rows in i32
-        for t in range(tid, D, NT):
+        for t in range(tid, D, THREADS):
             f32[t] = q[seq, head, t]
         cuda.syncthreads()
 
@@ -193,42 +193,42 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
         a3 = float32(0)
         # Every warp makes the same number of rounds (some on empty tiles): the simulator's warp reductions
         # are block barriers, and it costs one masked tile at most.
-        for rnd in range((n_tiles + NW - 1) // NW):
-            t0 = k_begin + (rnd * NW + warp) * TILE
+        for rnd in range((n_tiles + WARPS - 1) // WARPS):
+            t0 = k_begin + (rnd * WARPS + warp) * TILE
             # Lane j looks up the cache row of key t0 + j once (block table, offset, KV head); then the warp
             # copies the tile, lane taking words lane + 32 n of it.
             key = t0 + lane
             row = -1
             if key < k_end:
-                row = (block_tables[seq, key // BS] * BS + key % BS) * HKV + kvh
+                row = (block_tables[seq, key // BLOCK_SIZE] * BLOCK_SIZE + key % BLOCK_SIZE) * HKV + kvh
             rows[r_row + lane] = row
             warp_barrier()
             # NOTE: eight loads, then eight stores: a load's first use stalls the (in-order) warp until the
             # data arrives, so issuing them together pays the memory latency once per eight words.
-            for n in range(0, WD, 8):
+            for n in range(0, ROW_WORDS, 8):
                 u = lane + WARP * n
-                ka, va = row_words(k_rows, v_rows, rows, r_row, u, WD)
-                kb, vb = row_words(k_rows, v_rows, rows, r_row, u + WARP, WD)
-                kc, vc = row_words(k_rows, v_rows, rows, r_row, u + 2 * WARP, WD)
-                kd, vd = row_words(k_rows, v_rows, rows, r_row, u + 3 * WARP, WD)
-                ke, ve = row_words(k_rows, v_rows, rows, r_row, u + 4 * WARP, WD)
-                kf, vf = row_words(k_rows, v_rows, rows, r_row, u + 5 * WARP, WD)
-                kg, vg = row_words(k_rows, v_rows, rows, r_row, u + 6 * WARP, WD)
-                kh, vh = row_words(k_rows, v_rows, rows, r_row, u + 7 * WARP, WD)
-                store_words(u64, k_tile, v_tile, u, ka, va, WD, KS)
-                store_words(u64, k_tile, v_tile, u + WARP, kb, vb, WD, KS)
-                store_words(u64, k_tile, v_tile, u + 2 * WARP, kc, vc, WD, KS)
-                store_words(u64, k_tile, v_tile, u + 3 * WARP, kd, vd, WD, KS)
-                store_words(u64, k_tile, v_tile, u + 4 * WARP, ke, ve, WD, KS)
-                store_words(u64, k_tile, v_tile, u + 5 * WARP, kf, vf, WD, KS)
-                store_words(u64, k_tile, v_tile, u + 6 * WARP, kg, vg, WD, KS)
-                store_words(u64, k_tile, v_tile, u + 7 * WARP, kh, vh, WD, KS)
+                ka, va = row_words(k_rows, v_rows, rows, r_row, u, ROW_WORDS)
+                kb, vb = row_words(k_rows, v_rows, rows, r_row, u + WARP, ROW_WORDS)
+                kc, vc = row_words(k_rows, v_rows, rows, r_row, u + 2 * WARP, ROW_WORDS)
+                kd, vd = row_words(k_rows, v_rows, rows, r_row, u + 3 * WARP, ROW_WORDS)
+                ke, ve = row_words(k_rows, v_rows, rows, r_row, u + 4 * WARP, ROW_WORDS)
+                kf, vf = row_words(k_rows, v_rows, rows, r_row, u + 5 * WARP, ROW_WORDS)
+                kg, vg = row_words(k_rows, v_rows, rows, r_row, u + 6 * WARP, ROW_WORDS)
+                kh, vh = row_words(k_rows, v_rows, rows, r_row, u + 7 * WARP, ROW_WORDS)
+                store_words(u64, k_tile, v_tile, u, ka, va, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + WARP, kb, vb, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + 2 * WARP, kc, vc, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + 3 * WARP, kd, vd, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + 4 * WARP, ke, ve, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + 5 * WARP, kf, vf, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + 6 * WARP, kg, vg, ROW_WORDS, K_STRIDE)
+                store_words(u64, k_tile, v_tile, u + 7 * WARP, kh, vh, ROW_WORDS, K_STRIDE)
             warp_barrier()
 
             # Lane j scores key t0 + j. NOTE: fp32 accumulation of the bf16 products.
             dot = float32(0)
-            for w in range(WD):
-                k0, k1, k2, k3 = unpack_bf16x4(u64[k_tile + lane * KS + w])
+            for w in range(ROW_WORDS):
+                k0, k1, k2, k3 = unpack_bf16x4(u64[k_tile + lane * K_STRIDE + w])
                 dot += f32[4 * w] * k0 + f32[4 * w + 1] * k1 + f32[4 * w + 2] * k2 + f32[4 * w + 3] * k3
             score = scale * dot if t0 + lane < k_end else NEG_INF
             m_new = max(m, warp_max(score))
@@ -245,10 +245,10 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
             f32[p_row + lane] = p
             warp_barrier()
 
-            if g < KG:
-                for j in range(g, TILE, KG):   # masked keys: p = 0 and a zero V row
+            if g < KEY_GROUPS:
+                for j in range(g, TILE, KEY_GROUPS):   # masked keys: p = 0 and a zero V row
                     pj = f32[p_row + j]
-                    v0, v1, v2, v3 = unpack_bf16x4(u64[v_tile + j * WD + w_own])
+                    v0, v1, v2, v3 = unpack_bf16x4(u64[v_tile + j * ROW_WORDS + w_own])
                     a0 += pj * v0
                     a1 += pj * v1
                     a2 += pj * v2
@@ -259,8 +259,8 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
         if lane == 0:
             f32[MAX_OFF + warp] = m
             f32[SUM_OFF + warp] = total
-        if g < KG:
-            base = ACC_OFF + (warp * KG + g) * D + 4 * w_own
+        if g < KEY_GROUPS:
+            base = ACC_OFF + (warp * KEY_GROUPS + g) * D + 4 * w_own
             f32[base] = a0
             f32[base + 1] = a1
             f32[base + 2] = a2
@@ -271,30 +271,30 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
     def merged(f32, dim):
         """The block's (max, sum, acc[dim]): the warps' states rescaled to their common max and added."""
         big = NEG_INF
-        for w in range(NW):
+        for w in range(WARPS):
             big = max(big, f32[MAX_OFF + w])
         big_safe = big if big != NEG_INF else float32(0)
         total = float32(0)
         acc = float32(0)
-        for w in range(NW):
+        for w in range(WARPS):
             e = math.exp(f32[MAX_OFF + w] - big_safe)   # 0 for a warp that saw no key
             total += e * f32[SUM_OFF + w]
             part = float32(0)
-            for g in range(KG):
-                part += f32[ACC_OFF + (w * KG + g) * D + dim]
+            for g in range(KEY_GROUPS):
+                part += f32[ACC_OFF + (w * KEY_GROUPS + g) * D + dim]
             acc += e * part
         return big, total, acc
 
     @cuda.jit
     def decode_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, out):
-        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/4) u64, row (block * BS
+        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BLOCK_SIZE * HKV, D/4) u64, row (block * BLOCK_SIZE
         # + offset) * HKV + kv head; block_tables (S, max_blocks) i32
         seq, head = cuda.blockIdx.x, cuda.blockIdx.y
         f32 = cuda.shared.array(F32_SIZE, float32)
         u64 = cuda.shared.array(U64_SIZE, uint64)
         rows = cuda.shared.array(ROWS_SIZE, int32)
         walk(q, k_rows, v_rows, block_tables, seq, head, 0, context_lens[seq], scale, f32, u64, rows)
-        for dim in range(cuda.threadIdx.x, D, NT):
+        for dim in range(cuda.threadIdx.x, D, THREADS):
             _, total, acc = merged(f32, dim)
             out[seq, head, dim] = acc / total if total > float32(0) else float32(0)
 
@@ -310,7 +310,7 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
         k_end = min(context_lens[seq], k_begin + partition_size)
         # A partition past the context walks no tile and writes the neutral (-inf, 0, 0).
         walk(q, k_rows, v_rows, block_tables, seq, head, k_begin, k_end, scale, f32, u64, rows)
-        for dim in range(cuda.threadIdx.x, D, NT):
+        for dim in range(cuda.threadIdx.x, D, THREADS):
             big, total, acc = merged(f32, dim)
             partial_out[seq, head, part, dim] = acc
             if dim == 0:

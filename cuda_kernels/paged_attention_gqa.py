@@ -33,17 +33,17 @@ Argument checks: attention_args.py. The cache's format is a compile-time choice 
 query heads a d-long dot product, one exp and a d-long axpy. paged_attention_v1 adds to that, per head, a
 shared-memory store and load of every K/V word and a 32-lane max per tile; this kernel removes both and
 reads K/V once for all G heads.
-    grid  = (S, Hkv * C, P): C = ceil(G / HB) chunks of HB <= 4 query heads per KV head
-            (register budget), P partitions of the block table (P = 1: no workspace, the kernel writes out
-            itself); NW and P from shapes only (decode_warps_policy, decode_partitions: 8 warps and no
-            split for a batch-1 decode graph up to 512 keys; see the NOTE at SMALL_GRID_WARPS);
-            LPK too (decode_lanes_policy)
-    block = NW warps; lane = slot * L + sub, L = LPK (8, or 4): the L lanes of a slot share one
+    grid  = (S, Hkv * HEAD_CHUNKS, P): HEAD_CHUNKS = ceil(G / BLOCK_HEADS) chunks of BLOCK_HEADS <= 4 query
+            heads per KV head (register budget), P partitions of the block table (P = 1: no workspace, the
+            kernel writes out itself); WARPS and P from shapes only (decode_warps_policy, decode_partitions:
+            8 warps and no split for a batch-1 decode graph up to 512 keys; see the NOTE at
+            SMALL_GRID_WARPS); LANES_PER_KEY too (decode_lanes_policy)
+    block = WARPS warps; lane = slot * L + sub, L = LANES_PER_KEY (8, or 4): the L lanes of a slot share one
             key, lane sub owning 64-bit words sub, sub + L, ... of the K and V rows (4 bf16 each), so one
             warp load instruction reads 32 / L whole 32-byte sectors; the 32 / L slots take 32 / L keys.
-    walk  : warp w takes KV blocks w, w + NW, ... of its partition (one block-table load per block of
-            BS tokens, read a block ahead); a slot takes keys slot, slot + 32 / L, ... of the block,
-            U at a time: a chunk. Software-pipelined: the loads of the warp's next chunk are
+    walk  : warp w takes KV blocks w, w + WARPS, ... of its partition (one block-table load per block of
+            BLOCK_SIZE tokens, read a block ahead); a slot takes keys slot, slot + 32 / L, ... of the block,
+            KEYS_PER_SLOT at a time: a chunk. Software-pipelined: the loads of the warp's next chunk are
             issued before the current chunk is consumed, into a second set of registers, so one is always in
             flight. The score of a key for head h is the lane's partial dot product (q times scale log2(e),
             held in registers) summed over the slot's L lanes with L-wide xor shuffles; every lane of the
@@ -53,7 +53,7 @@ reads K/V once for all G heads.
             cross-slot traffic in the loop; acc and l are rescaled only when a key raises m (rare after the
             first keys), instead of every tile.
     merge : every (warp, slot) writes its states to shared memory; one weight exp(m - M) per state, then
-            thread t sums output (head, dim) pairs t, t + 32 NW, ... over the states. With P > 1 each
+            thread t sums output (head, dim) pairs t, t + 32 WARPS, ... over the states. With P > 1 each
             block writes its partition's partial (max, sum, acc) instead, and
             paged_attention.paged_attention_reduce merges the partitions.
 Per key (G = 4, d = 64, L = 8), each of its 8 lanes: 4 64-bit loads, 16 bf16 unpacks, 32 + 32 FMA (scores,
@@ -81,8 +81,8 @@ LOG2E = float32(1 / math.log(2))
 LN2 = float32(math.log(2))
 # Lanes sharing one key in the fast kernel. 8 (d = 64: 8 dims each) compiles to 166 registers, 12 warps per
 # SM; 4 needs ~20% fewer instructions per key but 233 registers, 8 warps per SM. decode_lanes_policy picks
-# 4 for some shapes, LANES_PER_KEY otherwise.
-LANES_PER_KEY = 8
+# 4 for some shapes, DEFAULT_LANES_PER_KEY otherwise.
+DEFAULT_LANES_PER_KEY = 8
 # NOTE: 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
 # LONG_WALK_ROUNDS KV blocks (512 blocks are two full waves of 2 blocks per SM at 4 lanes, 1.3 waves of 3 at
 # 8); everywhere else 8 lanes tied or won. At head_dim 128, 4 lanes spill. Measured on the H200:
@@ -158,126 +158,126 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
     docstring). The direct kernel (grid z = 1) writes out; the split kernel writes the partials of its
     partition, which paged_attention.paged_attention_reduce_kernel merges. fmt: the KV format (a word holds
     E = 4 bf16, 2 fp32 or 8 fp8 elements; everything below counts words)."""
-    D, BS, HKV, G, LPK, NW = head_dim, block_size, num_kv_heads, group, lanes_per_key, warps
+    D, BLOCK_SIZE, HKV, G, LANES_PER_KEY, WARPS = head_dim, block_size, num_kv_heads, group, lanes_per_key, warps
     E = WORD_ELEMS[fmt]
     unpack = kv_format.codec(fmt)[2]
-    NT = NW * WARP
-    HB = heads_per_block(G)         # query heads per block
-    C = -(-G // HB)       # blocks (head chunks) per KV head
-    KPW = WARP // LPK            # slots (keys in flight) per warp
-    WD = D // E                       # 64-bit words (E elements) per K/V row
-    WPL = -(-WD // LPK)   # lane sub owns words sub, sub + LPK, ...
-    EVEN = WD % LPK == 0    # every lane owns WPL words (else the last ones are masked)
+    THREADS = WARPS * WARP
+    BLOCK_HEADS = heads_per_block(G)         # query heads per block
+    HEAD_CHUNKS = -(-G // BLOCK_HEADS)       # blocks (head chunks) per KV head
+    SLOTS = WARP // LANES_PER_KEY            # slots (keys in flight) per warp
+    ROW_WORDS = D // E                       # 64-bit words (E elements) per K/V row
+    WORDS_PER_LANE = -(-ROW_WORDS // LANES_PER_KEY)   # lane sub owns words sub, sub + LANES_PER_KEY, ...
+    EVEN = ROW_WORDS % LANES_PER_KEY == 0    # every lane owns WORDS_PER_LANE words (else the last ones are masked)
     # keys per slot per chunk: CHUNK_WORDS words of K, of V
-    U = max(1, min(CHUNK_WORDS // WPL, -(-BS // KPW)))
-    CH = U * KPW       # keys per warp per chunk
-    NCH = -(-BS // CH)   # chunks per KV block
-    QW = HB * WPL * E     # q values (and acc values) per lane
+    KEYS_PER_SLOT = max(1, min(CHUNK_WORDS // WORDS_PER_LANE, -(-BLOCK_SIZE // SLOTS)))
+    CHUNK_KEYS = KEYS_PER_SLOT * SLOTS       # keys per warp per chunk
+    CHUNKS_PER_BLOCK = -(-BLOCK_SIZE // CHUNK_KEYS)   # chunks per KV block
+    Q_PER_LANE = BLOCK_HEADS * WORDS_PER_LANE * E     # q values (and acc values) per lane
     # K words (and V words) per lane in a chunk (two chunks in registers)
-    KW = U * WPL
-    STATES = NW * KPW                   # online-softmax states per head in a block, one per (warp, slot)
-    SS = HB * D + 1       # NOTE: odd stride between the states' acc rows: fewer bank conflicts
-    ACC_SIZE = STATES * SS         # (array sizes must be plain constants for numba, not expressions)
-    ML_SIZE = STATES * HB
+    LANE_CHUNK_WORDS = KEYS_PER_SLOT * WORDS_PER_LANE
+    STATES = WARPS * SLOTS                   # online-softmax states per head in a block, one per (warp, slot)
+    STATE_STRIDE = BLOCK_HEADS * D + 1       # NOTE: odd stride between the states' acc rows: fewer bank conflicts
+    ACC_SIZE = STATES * STATE_STRIDE         # (array sizes must be plain constants for numba, not expressions)
+    ML_SIZE = STATES * BLOCK_HEADS
 
     @cuda.jit(device=True)
     def seq_and_heads():
         """(sequence, KV head, first query head, query heads) of this block."""
-        kvh, chunk = cuda.blockIdx.y // C, cuda.blockIdx.y % C
-        return cuda.blockIdx.x, kvh, kvh * G + chunk * HB, min(HB, G - chunk * HB)
+        kvh, chunk = cuda.blockIdx.y // HEAD_CHUNKS, cuda.blockIdx.y % HEAD_CHUNKS
+        return cuda.blockIdx.x, kvh, kvh * G + chunk * BLOCK_HEADS, min(BLOCK_HEADS, G - chunk * BLOCK_HEADS)
 
     @cuda.jit(device=True)
     def table_blocks(ctx, block_tables):
         """KV blocks holding the context's keys (never past the block table, whatever context_lens says)."""
-        return min(max(ctx + BS - 1, 0) // BS, block_tables.shape[1])
+        return min(max(ctx + BLOCK_SIZE - 1, 0) // BLOCK_SIZE, block_tables.shape[1])
 
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that kw and vw stay in registers
     def load_keys(k_rows, v_rows, kvh, phys, b, c0, live, limit, kw, vw):
-        """Issue the loads of the lane's U keys c0 + u * KPW + slot of KV block b (physical block
+        """Issue the loads of the lane's KEYS_PER_SLOT keys c0 + u * SLOTS + slot of KV block b (physical block
         phys): its words of their K and V rows, 0 for a key at or past `limit` (or past the block)."""
         lane = cuda.threadIdx.x % WARP
         # NOTE: unsigned indices: no wraparound code per load
-        slot, col = lane // LPK, uint64(lane % LPK)
-        for u in range(U):
-            off = c0 + u * KPW + slot
-            ok = live and off < BS and b * BS + off < limit
-            row = uint64((phys * BS + off) * HKV + kvh)
-            for i in range(WPL):
+        slot, col = lane // LANES_PER_KEY, uint64(lane % LANES_PER_KEY)
+        for u in range(KEYS_PER_SLOT):
+            off = c0 + u * SLOTS + slot
+            ok = live and off < BLOCK_SIZE and b * BLOCK_SIZE + off < limit
+            row = uint64((phys * BLOCK_SIZE + off) * HKV + kvh)
+            for i in range(WORDS_PER_LANE):
                 # NOTE: mask before the load: a slot past the context may hold anything (NaN in the tests)
                 # and 0 * NaN is NaN, so it is never read.
-                if ok and (EVEN or lane % LPK + LPK * i < WD):
-                    kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
-                    vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
+                if ok and (EVEN or lane % LANES_PER_KEY + LANES_PER_KEY * i < ROW_WORDS):
+                    kw[u * WORDS_PER_LANE + i] = k_rows[row, col + uint64(LANES_PER_KEY * i)]
+                    vw[u * WORDS_PER_LANE + i] = v_rows[row, col + uint64(LANES_PER_KEY * i)]
                 else:
-                    kw[u * WPL + i] = U64_ZERO
-                    vw[u * WPL + i] = U64_ZERO
+                    kw[u * WORDS_PER_LANE + i] = U64_ZERO
+                    vw[u * WORDS_PER_LANE + i] = U64_ZERO
 
     @cuda.jit(device=True, inline=True)   # NOTE: inlined, so that every local array stays in registers
     def consume(kw, vw, b, c0, live, ctx, qr, acc, m, l, sc):
-        """Fold the lane's U keys c0 + u * KPW + slot of KV block b (their words in kw, vw) into
+        """Fold the lane's KEYS_PER_SLOT keys c0 + u * SLOTS + slot of KV block b (their words in kw, vw) into
         its online-softmax states (m, l, acc) of the block's heads."""
         lane = cuda.threadIdx.x % WARP
-        slot = lane // LPK
-        for u in range(U):
+        slot = lane // LANES_PER_KEY
+        for u in range(KEYS_PER_SLOT):
             # Scores: the lane's share of each dot product (fp32, one FMA per product), then the slot's sum.
-            for h in range(HB):
+            for h in range(BLOCK_HEADS):
                 sc[h] = float32(0)
-            for i in range(WPL):
-                kx = unpack(kw[u * WPL + i])
-                for h in range(HB):
-                    e = (h * WPL + i) * E
+            for i in range(WORDS_PER_LANE):
+                kx = unpack(kw[u * WORDS_PER_LANE + i])
+                for h in range(BLOCK_HEADS):
+                    e = (h * WORDS_PER_LANE + i) * E
                     dot = sc[h]
                     for c in range(E):
                         dot += qr[e + c] * kx[c]
                     sc[h] = dot
-            for h in range(HB):
-                sc[h] = slot_sum(sc[h], LPK)
-            off = c0 + u * KPW + slot
-            if live and off < BS and b * BS + off < ctx:
-                for h in range(HB):
+            for h in range(BLOCK_HEADS):
+                sc[h] = slot_sum(sc[h], LANES_PER_KEY)
+            off = c0 + u * SLOTS + slot
+            if live and off < BLOCK_SIZE and b * BLOCK_SIZE + off < ctx:
+                for h in range(BLOCK_HEADS):
                     score = sc[h]
                     if score > m[h]:
                         # NOTE: rescale only when the max grows (m = -inf at first: c = 0, and l and acc are
                         # still 0), not once per key.
                         c = math.exp2(m[h] - score)
                         l[h] *= c
-                        for a in range(WPL * E):
-                            acc[h * WPL * E + a] *= c
+                        for a in range(WORDS_PER_LANE * E):
+                            acc[h * WORDS_PER_LANE * E + a] *= c
                         m[h] = score
                     p = math.exp2(score - m[h])
                     l[h] += p
                     sc[h] = p
-                for i in range(WPL):
-                    vx = unpack(vw[u * WPL + i])
-                    for h in range(HB):
-                        e = (h * WPL + i) * E
+                for i in range(WORDS_PER_LANE):
+                    vx = unpack(vw[u * WORDS_PER_LANE + i])
+                    for h in range(BLOCK_HEADS):
+                        e = (h * WORDS_PER_LANE + i) * E
                         for c in range(E):
                             acc[e + c] += sc[h] * vx[c]
 
     @cuda.jit(device=True)
     def attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc):
         """Walk KV blocks b_begin .. b_end - 1 of sequence seq for query heads h0 .. h0 + nh - 1; leaves each
-        (warp, slot) state in shared memory: m in sm, l in sl, acc in sacc (row (warp * KPW + slot) *
-        SS, head h at h * D). Executes pdl.grid_wait() after the first loads (see below).
+        (warp, slot) state in shared memory: m in sm, l in sl, acc in sacc (row (warp * SLOTS + slot) *
+        STATE_STRIDE, head h at h * D). Executes pdl.grid_wait() after the first loads (see below).
 
-        The walk is software-pipelined: a warp's keys come in chunks of CH (NCH chunks per
-        KV block, the warp's blocks b_begin + warp, + NW, ...), and the loads of chunk t + 1 are issued
+        The walk is software-pipelined: a warp's keys come in chunks of CHUNK_KEYS (CHUNKS_PER_BLOCK chunks per
+        KV block, the warp's blocks b_begin + warp, + WARPS, ...), and the loads of chunk t + 1 are issued
         before chunk t is consumed, into a second set of registers (kn, vn), so a lane always has a chunk's K/V
         words in flight while it computes. The block-table entry of the warp's next block is read one block
         ahead."""
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
-        slot, sub = lane // LPK, lane % LPK
+        slot, sub = lane // LANES_PER_KEY, lane % LANES_PER_KEY
         col = uint64(sub)
-        qr = cuda.local.array(QW, float32)   # q of the block's heads at the lane's dims, times scale log2(e)
-        acc = cuda.local.array(QW, float32)
-        m = cuda.local.array(HB, float32)
-        l = cuda.local.array(HB, float32)
-        sc = cuda.local.array(HB, float32)
-        kw = cuda.local.array(KW, uint64)   # the chunk being consumed
-        vw = cuda.local.array(KW, uint64)
-        kn = cuda.local.array(KW, uint64)   # the next chunk, in flight
-        vn = cuda.local.array(KW, uint64)
+        qr = cuda.local.array(Q_PER_LANE, float32)   # q of the block's heads at the lane's dims, times scale log2(e)
+        acc = cuda.local.array(Q_PER_LANE, float32)
+        m = cuda.local.array(BLOCK_HEADS, float32)
+        l = cuda.local.array(BLOCK_HEADS, float32)
+        sc = cuda.local.array(BLOCK_HEADS, float32)
+        kw = cuda.local.array(LANE_CHUNK_WORDS, uint64)   # the chunk being consumed
+        vw = cuda.local.array(LANE_CHUNK_WORDS, uint64)
+        kn = cuda.local.array(LANE_CHUNK_WORDS, uint64)   # the next chunk, in flight
+        vn = cuda.local.array(LANE_CHUNK_WORDS, uint64)
         scale2 = scale * LOG2E   # scores in log2 units: exp(s - m) = exp2(s log2(e) - m log2(e))
 
         # NOTE: the first chunk's loads go out before pdl.grid_wait. A decode step's kernels write only the
@@ -289,71 +289,71 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         live = b < b_end
         phys = block_tables[seq, b] if live else 0
         load_keys(k_rows, v_rows, kvh, phys, b, 0, live, ctx - 1, kw, vw)
-        b_next = b + NW
+        b_next = b + WARPS
         live_next = b_next < b_end
         phys_next = block_tables[seq, b_next] if live_next else 0
         pdl.grid_wait()
-        for u in range(U):
-            off = u * KPW + slot
-            if live and off < BS and b * BS + off == ctx - 1:
-                row = uint64((phys * BS + off) * HKV + kvh)
-                for i in range(WPL):
-                    if EVEN or sub + LPK * i < WD:
-                        kw[u * WPL + i] = k_rows[row, col + uint64(LPK * i)]
-                        vw[u * WPL + i] = v_rows[row, col + uint64(LPK * i)]
-        for h in range(HB):
-            for i in range(WPL):
-                w = sub + LPK * i
+        for u in range(KEYS_PER_SLOT):
+            off = u * SLOTS + slot
+            if live and off < BLOCK_SIZE and b * BLOCK_SIZE + off == ctx - 1:
+                row = uint64((phys * BLOCK_SIZE + off) * HKV + kvh)
+                for i in range(WORDS_PER_LANE):
+                    if EVEN or sub + LANES_PER_KEY * i < ROW_WORDS:
+                        kw[u * WORDS_PER_LANE + i] = k_rows[row, col + uint64(LANES_PER_KEY * i)]
+                        vw[u * WORDS_PER_LANE + i] = v_rows[row, col + uint64(LANES_PER_KEY * i)]
+        for h in range(BLOCK_HEADS):
+            for i in range(WORDS_PER_LANE):
+                w = sub + LANES_PER_KEY * i
                 for c in range(E):
                     value = float32(0)
-                    if h < nh and (EVEN or w < WD):
+                    if h < nh and (EVEN or w < ROW_WORDS):
                         value = scale2 * q[seq, h0 + h, E * w + c]
-                    qr[(h * WPL + i) * E + c] = value
-                    acc[(h * WPL + i) * E + c] = float32(0)
+                    qr[(h * WORDS_PER_LANE + i) * E + c] = value
+                    acc[(h * WORDS_PER_LANE + i) * E + c] = float32(0)
             m[h] = NEG_INF
             l[h] = float32(0)
 
         # Every warp makes the same number of steps (some on no block): the simulator's shuffles are block
         # barriers. On the GPU the loop bounds are warp-uniform, as the shuffles need.
-        for t in range(NCH * ((b_end - b_begin + NW - 1) // NW)):
-            c0 = (t % NCH) * CH
-            if c0 + CH < BS:
-                load_keys(k_rows, v_rows, kvh, phys, b, c0 + CH, live, ctx, kn, vn)
+        for t in range(CHUNKS_PER_BLOCK * ((b_end - b_begin + WARPS - 1) // WARPS)):
+            c0 = (t % CHUNKS_PER_BLOCK) * CHUNK_KEYS
+            if c0 + CHUNK_KEYS < BLOCK_SIZE:
+                load_keys(k_rows, v_rows, kvh, phys, b, c0 + CHUNK_KEYS, live, ctx, kn, vn)
             else:
                 # the next chunk is the first of the warp's next block (nothing to load past the last)
                 load_keys(k_rows, v_rows, kvh, phys_next, b_next, 0, live_next, ctx, kn, vn)
             consume(kw, vw, b, c0, live, ctx, qr, acc, m, l, sc)
-            for i in range(KW):
+            for i in range(LANE_CHUNK_WORDS):
                 kw[i] = kn[i]
                 vw[i] = vn[i]
-            if c0 + CH >= BS:
+            if c0 + CHUNK_KEYS >= BLOCK_SIZE:
                 b, live, phys = b_next, live_next, phys_next
-                b_next = b + NW
+                b_next = b + WARPS
                 live_next = b_next < b_end
                 phys_next = block_tables[seq, b_next] if live_next else 0
 
-        state = warp * KPW + slot
+        state = warp * SLOTS + slot
         if sub == 0:
-            for h in range(HB):
-                sm[state * HB + h] = m[h]
-                sl[state * HB + h] = l[h]
-        for h in range(HB):
-            for i in range(WPL):
-                w = sub + LPK * i
-                if EVEN or w < WD:
+            for h in range(BLOCK_HEADS):
+                sm[state * BLOCK_HEADS + h] = m[h]
+                sl[state * BLOCK_HEADS + h] = l[h]
+        for h in range(BLOCK_HEADS):
+            for i in range(WORDS_PER_LANE):
+                w = sub + LANES_PER_KEY * i
+                if EVEN or w < ROW_WORDS:
                     for c in range(E):
-                        sacc[state * SS + h * D + E * w + c] = acc[(h * WPL + i) * E + c]
+                        sacc[state * STATE_STRIDE + h * D + E * w + c] = acc[(h * WORDS_PER_LANE + i) * E + c]
         cuda.syncthreads()
 
     @cuda.jit(device=True)
     def weigh(sm, sl, sw):
-        """sw[state * HB + h] <- exp(m - M_h), M_h the block's max for head h (0 for a state without
+        """sw[state * BLOCK_HEADS + h] <- exp(m - M_h), M_h the block's max for head h (0 for a state without
         keys)."""
-        for t in range(cuda.threadIdx.x, ML_SIZE, NT):
-            h = t % HB
+        for t in range(cuda.threadIdx.x, ML_SIZE, THREADS):
+            h = t % BLOCK_HEADS
             big = NEG_INF
             for st in range(STATES):
-                big = max(big, sm[st * HB + h])
+                big = max(big, sm[st * BLOCK_HEADS + h])
             big_safe = big if big != NEG_INF else float32(0)
             sw[t] = math.exp2(sm[t] - big_safe)
         cuda.syncthreads()
@@ -364,15 +364,15 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         total = float32(0)
         value = float32(0)
         for st in range(STATES):
-            e = sw[st * HB + h]
-            total += e * sl[st * HB + h]
-            value += e * sacc[st * SS + h * D + dim]
+            e = sw[st * BLOCK_HEADS + h]
+            total += e * sl[st * BLOCK_HEADS + h]
+            value += e * sacc[st * STATE_STRIDE + h * D + dim]
         return total, value
 
     @cuda.jit
     def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out):
-        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BS * HKV, D/E) u64, row (block * BS
-        # + offset) * HKV + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * C); scale
+        # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BLOCK_SIZE * HKV, D/E) u64, row (block * BLOCK_SIZE
+        # + offset) * HKV + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * HEAD_CHUNKS); scale
         # includes fp8's k_scale
         pdl.launch_dependents()
         seq, kvh, h0, nh = seq_and_heads()
@@ -384,7 +384,7 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, 0, table_blocks(ctx, block_tables), ctx,
                scale, sm, sl, sacc)
         weigh(sm, sl, sw)
-        for t in range(cuda.threadIdx.x, nh * D, NT):
+        for t in range(cuda.threadIdx.x, nh * D, THREADS):
             h, dim = t // D, t % D
             total, value = merged(sl, sacc, sw, h, dim)
             out[seq, h0 + h, dim] = value / total * v_scale if total > float32(0) else float32(0)
@@ -393,7 +393,7 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
     def split_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, partition_blocks, partial_out,
                      partial_max, partial_sum):
         # partial_out (S, Hq, P, D) f32 (times v_scale); partial_max, partial_sum (S, Hq, P) f32; grid
-        # (S, HKV * C, P), partition p = KV blocks p * partition_blocks .. (p + 1) * partition_blocks - 1
+        # (S, HKV * HEAD_CHUNKS, P), partition p = KV blocks p * partition_blocks .. (p + 1) * partition_blocks - 1
         pdl.launch_dependents()
         seq, kvh, h0, nh = seq_and_heads()
         part = cuda.blockIdx.z
@@ -409,14 +409,14 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         sacc = cuda.shared.array(ACC_SIZE, float32)
         attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc)
         weigh(sm, sl, sw)
-        for t in range(cuda.threadIdx.x, nh * D, NT):
+        for t in range(cuda.threadIdx.x, nh * D, THREADS):
             h, dim = t // D, t % D
             total, value = merged(sl, sacc, sw, h, dim)
             partial_out[seq, h0 + h, part, dim] = value * v_scale
             if dim == 0:
                 big = NEG_INF
                 for st in range(STATES):
-                    big = max(big, sm[st * HB + h])
+                    big = max(big, sm[st * BLOCK_HEADS + h])
                 partial_max[seq, h0 + h, part] = big * LN2   # back to natural units for the reduce
                 partial_sum[seq, h0 + h, part] = total
 
@@ -446,7 +446,7 @@ def _grid_blocks(num_seqs, num_heads, num_kv_heads):
     return int(num_seqs) * num_kv_heads * -(-group // heads_per_block(group))
 
 
-def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_key=LANES_PER_KEY) -> int:
+def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_key=DEFAULT_LANES_PER_KEY) -> int:
     """Warps per block of the fast kernel by default: more for a grid that does not fill the SMs."""
     small = _grid_blocks(num_seqs, num_heads, num_kv_heads) <= SM_COUNT
     return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key,
@@ -457,11 +457,11 @@ def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks)
     """Lanes per key of the fast kernel by default, from shapes only (max_blocks = block_tables.shape[1]):
     4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
     (long contexts at mid-size batches), 8 otherwise (see the NOTE at LONG_WALK_ROUNDS)."""
-    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, LANES_PER_KEY)
+    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, DEFAULT_LANES_PER_KEY)
     parts, partition_blocks = decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps)
     blocks = parts * _grid_blocks(num_seqs, num_heads, num_kv_heads)
     long_walk = partition_blocks >= LONG_WALK_ROUNDS * warps
-    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else LANES_PER_KEY
+    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else DEFAULT_LANES_PER_KEY
 
 
 def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):
