@@ -24,7 +24,7 @@ Two implementations, chosen at import time (the same kernel source runs on both)
   reassembles the warp's 16 x 16 A and 16 x 8 B and computes its own four D elements (products exact in
   fp32, summed in fp32, then added to C), and the block synchronises again before the scratch can be reused.
 
-Fragment helpers for the kernels that feed it (gemm_tc.gemm_tc, attention.prefill_attention_tc):
+Fragment helpers for the kernels that feed it (gemm_tc.gemm_tc, attention_tc.prefill_attention_tc):
 ``split_bf16x3`` cuts an fp32 value into three bf16 pieces that sum to it exactly (so an fp32 operand costs
 three exact mma products), ``pack4`` packs four bf16 into the uint64 "quad" both kernels stage in shared
 memory, and ``halves`` splits a quad into the two uint32 registers of a fragment.
@@ -109,7 +109,7 @@ else:
                         float32(c0), float32(c1), float32(c2), float32(c3))
 
 
-# Fragment helpers shared by the tensor-core kernels (gemm_tc.gemm_tc, attention.prefill_attention_tc)
+# Fragment helpers shared by the tensor-core kernels (gemm_tc.gemm_tc, attention_tc.prefill_attention_tc)
 
 @cuda.jit(device=True)
 def split_bf16x3(v):

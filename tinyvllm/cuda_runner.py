@@ -42,7 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import argmax, attention, embedding, gemm_pipelined, matmul, paged_attention, rmsnorm, sampling
+from cuda_kernels import (argmax, attention, attention_tc, embedding, gemm_pipelined, matmul, paged_attention_gqa,
+                          rmsnorm, sampling)
 from cuda_kernels import kv_cache, kv_format, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
@@ -112,8 +113,9 @@ class CUDARunner:
         # NOTE: tensor-core prefill attention where the head size and the KV format allow (an fp32 cache, the
         # checking format, takes the SIMT kernel); the simulator keeps the SIMT kernel (every emulated mma
         # costs two block barriers over Python threads; the kernel tests cover both)
-        use_tc = not SIMULATOR and c.head_dim in attention.TC_HEAD_DIMS and kv_cache_dtype in attention.TC_FORMATS
-        self.prefill_attention = attention.prefill_attention_tc if use_tc else attention.prefill_attention
+        use_tc = (not SIMULATOR and c.head_dim in attention_tc.TC_HEAD_DIMS
+                  and kv_cache_dtype in attention_tc.TC_FORMATS)
+        self.prefill_attention = attention_tc.prefill_attention_tc if use_tc else attention.prefill_attention
 
         t, s, f32 = max_num_batched_tokens, max_num_seqs, np.float32
         empty = cuda.device_array
@@ -161,7 +163,7 @@ class CUDARunner:
         max_width = min(-(-c.max_position_embeddings // block_size), self.num_blocks)
         self.inputs = StepInputs(t, s, max_width)
         # split-K decode attention's partials, for every batch up to s sequences and tables up to max_width
-        self.attn_workspace = empty(max(1, paged_attention.decode_workspace_size(
+        self.attn_workspace = empty(max(1, paged_attention_gqa.decode_workspace_size(
             s, c.num_heads, c.num_kv_heads, c.head_dim, max_width)), f32)
         self.stream = cuda.stream()
         self.tokens_out = [PinnedCopy(host, self.tokens, self.stream) for host in self.tokens_host]
@@ -302,8 +304,8 @@ class CUDARunner:
             trace(i, "k", self.k_cache[i])
             trace(i, "v", self.v_cache[i])
             if decode:
-                paged_attention.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale, attn,
-                                                stream, workspace=self.attn_workspace, **scales)
+                paged_attention_gqa.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale,
+                                                    attn, stream, workspace=self.attn_workspace, **scales)
             else:
                 self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
                                        self.scale, attn, max_q_len, stream, **scales)
@@ -485,9 +487,10 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 def width_buckets(max_width: int) -> tuple[int, ...]:
     """Block-table widths graphs are captured for: 16, 32 and 64 blocks, then x4 (256, 1024, ...), up to
     max_width. Coarse for the same reason as batch_buckets.
-    NOTE: the width is the shape decode attention's policy sees (paged_attention.decode_partitions): a table
-    padded from 17 to 64 blocks would split a 272-token context into 4 partitions (three of them near empty)
-    and add the reduce kernel, where 32 blocks take one pass. Hence the x2 steps while contexts are short."""
+    NOTE: the width is the shape decode attention's policy sees (paged_attention_gqa.decode_partitions): a
+    table padded from 17 to 64 blocks would split a 272-token context into 4 partitions (three of them near
+    empty) and add the reduce kernel, where 32 blocks take one pass. Hence the x2 steps while contexts are
+    short."""
     sizes = [w for w in (16, 32) if w < max_width]
     w = 64
     while w < max_width:

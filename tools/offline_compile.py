@@ -220,7 +220,7 @@ def attention_warps(ptxas: Path, block_size: int, kv_formats=("bf16",)) -> int:
     register file? Returns the number of configurations that do not."""
     from numba import types
 
-    from cuda_kernels import paged_attention as pa
+    from cuda_kernels import paged_attention_gqa as pa
 
     registers_per_sm = 65536
     print("| KV format | head_dim | group | lanes/key | warps | kernel | registers | registers x threads |")

@@ -40,14 +40,14 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from cuda_kernels.compat import SIMULATOR  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from cuda_kernels import argmax, attention, embedding, matmul, rmsnorm  # noqa: E402
+from cuda_kernels import argmax, attention, attention_tc, embedding, matmul, rmsnorm  # noqa: E402
 from tinyvllm import LLM  # noqa: E402
 from tinyvllm.cuda_graph import CUDAGraph  # noqa: E402
 from tools.bench import greedy, tv_prefill  # noqa: E402
 
 # (module, function, label): what cuda_runner's step calls; a launcher that calls another is timed once
 LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul, "mlp", "MLP (gate/up + SiLU, down)"),
-             (matmul, "matmul", "matmul (O, LM head)"), (attention, "prefill_attention_tc", "attention"),
+             (matmul, "matmul", "matmul (O, LM head)"), (attention_tc, "prefill_attention_tc", "attention"),
              (attention, "prefill_attention", "attention"), (rmsnorm, "fused_add_rmsnorm", "add + RMSNorm"),
              (rmsnorm, "rmsnorm", "RMSNorm"), (embedding, "embedding", "embedding"),
              (embedding, "gather_rows", "gather"), (argmax, "argmax", "argmax")]
@@ -59,7 +59,8 @@ class Wrapped:
 
     def __init__(self, runner, around):
         self.runner, self.around, self.depth = runner, around, 0
-        self.attention_name = runner.prefill_attention.__name__   # chosen when the runner was built
+        chosen = runner.prefill_attention   # chosen when the runner was built (attention or attention_tc)
+        self.attention_module, self.attention_name = sys.modules[chosen.__module__], chosen.__name__
 
     def _wrap(self, function, label):
         def run(*args, **kwargs):
@@ -76,13 +77,13 @@ class Wrapped:
         self.originals = [(module, name, getattr(module, name)) for module, name, _ in LAUNCHERS]
         for (module, name, label), (_, _, function) in zip(LAUNCHERS, self.originals):
             setattr(module, name, self._wrap(function, label))
-        self.runner.prefill_attention = getattr(attention, self.attention_name)
+        self.runner.prefill_attention = getattr(self.attention_module, self.attention_name)
         return self
 
     def __exit__(self, *exc):
         for module, name, function in self.originals:
             setattr(module, name, function)
-        self.runner.prefill_attention = getattr(attention, self.attention_name)
+        self.runner.prefill_attention = getattr(self.attention_module, self.attention_name)
 
 
 def replay_ms(record, stream, reps: int) -> float:

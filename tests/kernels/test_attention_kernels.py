@@ -16,7 +16,7 @@ from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, p
 
 from numba import cuda
 
-from cuda_kernels import attention, gemv, kv_format, matmul, paged_attention
+from cuda_kernels import attention, attention_tc, gemv, kv_format, matmul, paged_attention, paged_attention_gqa
 from reference import paged_attention as ref
 from reference.bf16 import f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache, kv_cache_write
@@ -230,14 +230,14 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind, fmt)
     hkv, group = hg
     if warps is not None:
-        most = paged_attention.fast_warps(d, group, lanes,
-                                          most=pick(4, paged_attention.FAST_WARPS_BY_FORMAT[fmt[0]]))
+        most = paged_attention_gqa.fast_warps(d, group, lanes,
+                                              most=pick(4, paged_attention_gqa.FAST_WARPS_BY_FORMAT[fmt[0]]))
         warps = most if warps == "most" else min(warps, most)
     scale = 1 / np.sqrt(d)
     s, hq = q.shape[:2]
     workspace, partition_blocks = None, None
     if split == "policy":
-        size = paged_attention.decode_workspace_size(s, hq, hkv, d, tables.shape[1])
+        size = paged_attention_gqa.decode_workspace_size(s, hq, hkv, d, tables.shape[1])
     elif split != "none":
         partition_blocks = split
         size = s * hq * -(-tables.shape[1] // split) * (d + 2)
@@ -245,9 +245,9 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
         # NaN-filled: a partition the reduce reads but the kernel did not write would show
         workspace = to_device(np.full(max(size, 1), np.nan, np.float32))
     out = device_empty(q.shape, np.float32)
-    paged_attention.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out, workspace=workspace,
-                                    partition_blocks=partition_blocks, lanes_per_key=lanes, warps=warps,
-                                    k_scale=fmt[1], v_scale=fmt[2])
+    paged_attention_gqa.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out,
+                                        workspace=workspace, partition_blocks=partition_blocks,
+                                        lanes_per_key=lanes, warps=warps, k_scale=fmt[1], v_scale=fmt[2])
     want = decode_reference(q, k_cache, v_cache, tables, lens, scale, fmt)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
 
@@ -284,8 +284,8 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
     def layer(stream):
         gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul.gemv_config(len(lens), *w.shape),
                        **scales)
-        paged_attention.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
-                                        workspace=workspace, partition_blocks=1 if split else None, **scales)
+        paged_attention_gqa.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
+                                            workspace=workspace, partition_blocks=1 if split else None, **scales)
 
     stream = cuda.stream()
     layer(stream)   # in the simulator the test; on the GPU it compiles what the capture needs
@@ -309,7 +309,7 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
 
 def test_decode_policy_depends_on_shapes_only():
     """The warps and split policy: from (batch, heads, head_dim, table width) alone."""
-    pa = paged_attention
+    pa = paged_attention_gqa
     small, big = pa.SMALL_GRID_WARPS, pa.MAX_WARPS
     # Llama-3.2-1B heads (8 blocks per sequence): more warps while the grid does not fill the SMs
     assert pa.decode_warps_policy(1, 32, 8, 64) == small
@@ -339,7 +339,7 @@ def test_decode_policy_depends_on_shapes_only():
 def test_decode_lanes_policy():
     """4 lanes per key only for a grid of at most TARGET_BLOCKS blocks whose warps walk long (the measured
     cases of the NOTE at LONG_WALK_ROUNDS), 8 elsewhere; from shapes only."""
-    pa = paged_attention
+    pa = paged_attention_gqa
     assert pa.decode_lanes_policy(64, 32, 8, 64, 256) == 4     # batch 64 x 4,096 keys in 16-token blocks
     assert pa.decode_lanes_policy(32, 32, 8, 64, 256) == 4     # two partitions of 128 blocks: 512 blocks
     # the boundary: each warp walks LONG_WALK_ROUNDS blocks (batch 64 x 1,024 keys on the GPU's 4 warps)
@@ -447,8 +447,8 @@ def test_decode_padding_slots_give_zeros():
         lambda *args: paged_attention.paged_attention_walk(*args),
         lambda *args: paged_attention.paged_attention_v1(*args),
         lambda *args: paged_attention.paged_attention_split(*args, *work, 4),
-        lambda *args: paged_attention.paged_attention(*args),
-        lambda *args: paged_attention.paged_attention(*args, workspace=fast_work, partition_blocks=1),
+        lambda *args: paged_attention_gqa.paged_attention(*args),
+        lambda *args: paged_attention_gqa.paged_attention(*args, workspace=fast_work, partition_blocks=1),
     ]
     for launcher in launchers:
         out = to_device(np.full(q.shape, np.nan, np.float32))
@@ -507,14 +507,15 @@ def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_si
                 kind, fmt)
 
 
-# The tensor-core kernel needs head_dim in attention.TC_HEAD_DIMS (multiples of 16). In the simulator its 16-key
-# tiles (2 warps, 32 rows per block) make the contexts of prefill_chunks walk up to four tiles and two row tiles.
+# The tensor-core kernel needs head_dim in attention_tc.TC_HEAD_DIMS (multiples of 16). In the simulator its
+# 16-key tiles (2 warps, 32 rows per block) make the contexts of prefill_chunks walk up to four tiles and two row
+# tiles.
 tc_head_dims = st.sampled_from(pick([16, 32], [64, 64, 128, 16, 32]))
 
 
 @settings(max_examples=examples(6, 60))
 @given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]),
-       st.sampled_from([f for f in KV_FORMATS if f[0] in attention.TC_FORMATS]))
+       st.sampled_from([f for f in KV_FORMATS if f[0] in attention_tc.TC_FORMATS]))
 @example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None,
          fmt=KV_FORMATS[0])
 @example(seed=2, chunks=[(5, 20)], hg=(1, 3), d=16, block_size=3, kind="normal", keys=None, fmt=KV_FORMATS[4])
@@ -525,7 +526,7 @@ def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size,
     keys = None if d > 64 else keys
 
     def launcher(*args, **scales):
-        attention.prefill_attention_tc(*args, keys_per_tile=keys, **scales)
+        attention_tc.prefill_attention_tc(*args, keys_per_tile=keys, **scales)
 
     run_prefill(launcher, np.random.default_rng(seed), chunks, *hg, d, block_size, kind, fmt)
 
@@ -536,7 +537,7 @@ def test_prefill_attention_tc_benchmark_shapes(chunks):
     """The benchmark's layouts (one 1,024-token prompt, 4 x 256, a 512 chunk after a 512 cached prefix) at the
     model's shapes (32 / 8 heads, head_dim 64) on the GPU; the same layouts shrunk in the simulator."""
     hkv, group, d = pick((1, 4, 16), (8, 4, 64))
-    run_prefill(attention.prefill_attention_tc, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
+    run_prefill(attention_tc.prefill_attention_tc, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
 
 
 @pytest.mark.skipif(not SIM, reason="a GPU device function cannot be called from the host; kernels use it there")
@@ -544,11 +545,11 @@ def test_transpose_bf16x4():
     """The 4 x 4 transpose of 16-bit elements that stages V for the tensor-core kernel."""
     m = np.random.default_rng(0).integers(0, 2**16, (4, 4), dtype=np.uint64).astype(np.uint16)
     rows = m.view(np.uint64).ravel()                      # rows[i] holds m[i, 0..3], element 0 lowest
-    columns = attention.transpose_bf16x4(*rows)
+    columns = attention_tc.transpose_bf16x4(*rows)
     assert np.array(columns, np.uint64).view(np.uint16).reshape(4, 4).tolist() == m.T.tolist()
 
 
-@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_tc])
+@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention_tc.prefill_attention_tc])
 def test_prefill_one_query_per_sequence_equals_decode(launcher):
     """q_len 1 at the end of each context is exactly a decode step."""
     rng = np.random.default_rng(1)
@@ -616,7 +617,7 @@ def _decode_args(**changes):
     (dict(out=np.zeros((2, 4, 8), np.float32)), "out: expected"),
 ])
 def test_decode_launcher_errors(changes, message):
-    for launcher in (paged_attention.paged_attention, paged_attention.paged_attention_v1,
+    for launcher in (paged_attention_gqa.paged_attention, paged_attention.paged_attention_v1,
                      paged_attention.paged_attention_walk):
         with pytest.raises(ValueError, match=message):
             launcher(**_decode_args(**changes))
@@ -635,13 +636,13 @@ def test_decode_launcher_errors(changes, message):
 def test_fast_decode_launcher_errors(options, message):
     options = {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in options.items()}
     with pytest.raises(ValueError, match=message):
-        paged_attention.paged_attention(**_decode_args(), **options)
+        paged_attention_gqa.paged_attention(**_decode_args(), **options)
 
 
 def test_non_contiguous_cache_is_refused():
     cache = to_device(np.zeros((3, 4, 2, 32), np.uint16))[:, :, :, :16]
     with pytest.raises(ValueError, match="C-contiguous"):
-        paged_attention.paged_attention(**_decode_args(k_cache=cache, v_cache=cache))
+        paged_attention_gqa.paged_attention(**_decode_args(k_cache=cache, v_cache=cache))
 
 
 @pytest.mark.parametrize("shapes, partition_size, message", [
@@ -664,7 +665,7 @@ def test_split_launcher_errors(shapes, partition_size, message):
 
 
 @pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive,
-                                      attention.prefill_attention_tc])
+                                      attention_tc.prefill_attention_tc])
 @pytest.mark.parametrize("changes, message", [
     (dict(cu_seqlens_q=np.zeros(2, np.int32)), "cu_seqlens_q"),
     (dict(cu_seqlens_q=np.zeros(3, np.int64)), "cu_seqlens_q"),
@@ -686,7 +687,7 @@ def test_prefill_tc_launcher_errors(d, keys, message):
     changes = dict(q=np.zeros((5, 4, d), np.float32), out=np.zeros((5, 4, d), np.float32),
                    k_cache=np.zeros((3, 4, 2, d), np.uint16), v_cache=np.zeros((3, 4, 2, d), np.uint16))
     with pytest.raises(ValueError, match=message):
-        attention.prefill_attention_tc(**_prefill_args(**changes), keys_per_tile=keys)
+        attention_tc.prefill_attention_tc(**_prefill_args(**changes), keys_per_tile=keys)
 
 
 def test_kv_formats_the_simple_kernels_refuse():
@@ -702,13 +703,13 @@ def test_kv_formats_the_simple_kernels_refuse():
             paged_attention.paged_attention_split(**_decode_args(**caches), partial_out=work[0],
                                                   partial_max=work[1], partial_sum=work[2], partition_size=4)
     with pytest.raises(ValueError, match="prefill_attention_tc reads bf16 and fp8 caches, got fp32"):
-        attention.prefill_attention_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
-                                                       v_cache=np.zeros((3, 4, 2, 16), np.float32)))
+        attention_tc.prefill_attention_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
+                                                          v_cache=np.zeros((3, 4, 2, 16), np.float32)))
     fp32 = dict(k_cache=np.zeros((3, 4, 2, 16), np.float32), v_cache=np.zeros((3, 4, 2, 16), np.float32))
     with pytest.raises(ValueError, match="warps must be 1 to 8 "):   # the fp32 kernels' register bound
-        paged_attention.paged_attention(**_decode_args(**fp32), warps=9)
+        paged_attention_gqa.paged_attention(**_decode_args(**fp32), warps=9)
     with pytest.raises(ValueError, match="a bf16 cache takes 1.0"):
-        paged_attention.paged_attention(**_decode_args(), k_scale=0.5)
+        paged_attention_gqa.paged_attention(**_decode_args(), k_scale=0.5)
     with pytest.raises(ValueError, match="positive and finite"):
         attention.prefill_attention(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.uint8),
                                                     v_cache=np.zeros((3, 4, 2, 16), np.uint8)), v_scale=-1.0)

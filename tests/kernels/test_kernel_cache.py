@@ -22,7 +22,7 @@ GPU = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "gpu"
 KEY_TEXTS = r"""
 import json, os
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-from cuda_kernels import kernel_cache, gemm_pipelined as gp, gemv, rmsnorm, paged_attention as pa
+from cuda_kernels import kernel_cache, gemm_pipelined as gp, gemv, rmsnorm, paged_attention_gqa as pa
 kernels = {
     "pipelined 16 split": gp._gemm_kernel(16, 128, 64, 16, 32, 4, 0, 1, False, False, True),
     "pipelined 16 split 3 stages": gp._gemm_kernel(16, 128, 64, 16, 32, 3, 0, 1, False, False, True),

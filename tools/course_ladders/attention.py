@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, paged_attention
+from cuda_kernels import attention, attention_tc, paged_attention, paged_attention_gqa
 from reference import paged_attention as ref
 from tools.course_ladders.common import FMA_PEAK_TFLOPS, MMA_PEAK_TFLOPS, Step
 from tools.kernel_benchmarks.attention import _atol, _paged_cache
@@ -73,7 +73,7 @@ def prefill_steps(real: bool) -> list[Step]:
              ("7b prefill_attention (flash)", "one pass, online softmax; K/V tiles shared by a block's rows",
               attention.prefill_attention, FMA_PEAK_TFLOPS),
              ("7c prefill_attention_tc", "both products on mma.sync; S and P stay in registers",
-              attention.prefill_attention_tc, MMA_PEAK_TFLOPS / 3)]
+              attention_tc.prefill_attention_tc, MMA_PEAK_TFLOPS / 3)]
     return [Step(version, idea, _case(version, runner(launcher), out, want, atol, flops=flops), peak)
             for version, idea, launcher, peak in rungs]
 
@@ -92,8 +92,8 @@ def decode_steps(real: bool) -> list[Step]:
     partition = 512 if real else 16
     work = [cuda.device_array(w, np.float32)
             for w in paged_attention.split_workspace_shapes(s, hq, d, max(contexts), partition)]
-    workspace = cuda.device_array(max(1, paged_attention.decode_workspace_size(s, hq, hkv, d, tables.shape[1])),
-                                  np.float32)
+    width = tables.shape[1]
+    workspace = cuda.device_array(max(1, paged_attention_gqa.decode_workspace_size(s, hq, hkv, d, width)), np.float32)
     args = (dq, dk, dv, dt, dl, scale, out)
     rungs = [
         ("8a paged_attention_walk", "a warp per (sequence, head), one key at a time",
@@ -103,7 +103,7 @@ def decode_steps(real: bool) -> list[Step]:
         (f"8c split-K ({partition}-key partitions)", "partitions of the context in parallel, then a merge",
          lambda stream: paged_attention.paged_attention_split(*args, *work, partition, stream)),
         ("8d paged_attention (the engine's)", "a block per KV head serves its G query heads; K/V in registers",
-         lambda stream: paged_attention.paged_attention(*args, stream, workspace=workspace)),
+         lambda stream: paged_attention_gqa.paged_attention(*args, stream, workspace=workspace)),
     ]
     return [Step(version, idea, _case(version, run, out, want, atol, bytes_moved=kv_bytes))
             for version, idea, run in rungs]

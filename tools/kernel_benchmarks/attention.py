@@ -8,7 +8,7 @@ engine_decode_case (tools/bench.py's kernels workload) is the decode call of the
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, paged_attention
+from cuda_kernels import attention, attention_tc, paged_attention, paged_attention_gqa
 from reference import paged_attention as ref
 from reference.bf16 import bf16_to_f32
 from reference.kv_format import kv_encode
@@ -60,7 +60,7 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
     out = cuda.device_array((batch, HQ, D), np.float32)
     workspace = cuda.device_array(
-        max(1, paged_attention.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1])), np.float32)
+        max(1, paged_attention_gqa.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1])), np.float32)
     kv_bytes = 2 * batch * context * HKV * D * 2
     reference = []   # computed once, by the first check that needs it
 
@@ -72,8 +72,8 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
 
     def run_fast(lanes):
         def run(stream):
-            paged_attention.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, workspace=workspace,
-                                            lanes_per_key=lanes)
+            paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, workspace=workspace,
+                                                lanes_per_key=lanes)
         return run
 
     def check(run):
@@ -88,8 +88,8 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
 
     shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {block}"
     def policy(lanes):
-        warps = paged_attention.decode_warps_policy(batch, HQ, HKV, D, lanes)
-        parts, blocks = paged_attention.decode_partitions(batch, HQ, HKV, tables.shape[1], warps)
+        warps = paged_attention_gqa.decode_warps_policy(batch, HQ, HKV, D, lanes)
+        parts, blocks = paged_attention_gqa.decode_partitions(batch, HQ, HKV, tables.shape[1], warps)
         return f"{warps} warps, " + (f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split")
 
     cases = [Case("attention", f"paged_attention (fast, {lanes} lanes/key, {policy(lanes)}) {shape}",
@@ -122,10 +122,11 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
     out = cuda.device_array((batch, hq, d), np.float32)
     width = tables.shape[1]
-    workspace = cuda.device_array(max(1, paged_attention.decode_workspace_size(batch, hq, hkv, d, width)), np.float32)
+    workspace = cuda.device_array(max(1, paged_attention_gqa.decode_workspace_size(batch, hq, hkv, d, width)),
+                                  np.float32)
 
     def launch(stream):
-        paged_attention.paged_attention(dq, dk, dv, dt, dl, scale, out, stream, workspace=workspace)
+        paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, scale, out, stream, workspace=workspace)
 
     def check():
         out.copy_to_device(np.full(out.shape, np.nan, np.float32))
@@ -135,9 +136,9 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
         np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
 
     # the launcher's policy, spelled out (paged_attention computes the same from the same shapes)
-    lanes = paged_attention.decode_lanes_policy(batch, hq, hkv, d, width)
-    warps = paged_attention.decode_warps_policy(batch, hq, hkv, d, lanes)
-    parts, blocks = paged_attention.decode_partitions(batch, hq, hkv, width, warps)
+    lanes = paged_attention_gqa.decode_lanes_policy(batch, hq, hkv, d, width)
+    warps = paged_attention_gqa.decode_warps_policy(batch, hq, hkv, d, lanes)
+    parts, blocks = paged_attention_gqa.decode_partitions(batch, hq, hkv, width, warps)
     split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
     name = "PagedAttention decode" + ("" if kv_cache_dtype == "bf16" else f" ({kv_cache_dtype} KV cache)")
     return Case("attention", name, launch, check, bytes_moved=2 * batch * context * hkv * d * itemsize,
@@ -184,13 +185,13 @@ def _prefill_cases(rng, chunks, naive=False):
     else:
         layout = " + ".join(f"{n} tokens after {cached} cached" for n, cached in chunks)
     shape = f"{layout}, {HQ}/{HKV} heads, d {D}"
-    warps, keys = attention.tc_config(D)
+    warps, keys = attention_tc.tc_config(D)
     variants = [(f"prefill_attention_tc ({warps} warps, {keys}-key tiles) {shape}",
-                 runner(attention.prefill_attention_tc)),
+                 runner(attention_tc.prefill_attention_tc)),
                 (f"prefill_attention (flash, fp32 SIMT) {shape}", runner(attention.prefill_attention))]
     if len(chunks) == 1:
         variants.insert(1, (f"prefill_attention_tc ({warps} warps, 32-key tiles) {shape}",
-                            runner(attention.prefill_attention_tc, keys_per_tile=32)))
+                            runner(attention_tc.prefill_attention_tc, keys_per_tile=32)))
     if naive:
         variants.append((f"prefill_attention_naive {shape}", runner(attention.prefill_attention_naive)))
     return [Case("attention", name, run, check(run), flops=flops) for name, run in variants]
@@ -231,8 +232,9 @@ def policy_sweep(shapes=SWEEP_SHAPES):
             for blocks in (b for b in SWEEP_PARTITION_BLOCKS if b <= width):
                 def run(stream, warps=warps, blocks=blocks, dq=dq, dk=dk, dv=dv, dt=dt, dl=dl, out=out,
                         workspace=workspace):
-                    paged_attention.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, workspace=workspace,
-                                                    partition_blocks=blocks, lanes_per_key=8, warps=warps)
+                    paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream,
+                                                        workspace=workspace, partition_blocks=blocks,
+                                                        lanes_per_key=8, warps=warps)
 
                 def check(run=run, out=out, want=want, atol=atol):
                     run(0)
