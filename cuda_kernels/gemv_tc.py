@@ -246,7 +246,8 @@ def _gemv_tc_kernel(nt: int, k_warps: int, row_warps: int, unroll: int, pipeline
 
 def gemv_tc(planes, m: int, weight, out, stream=0, config: GemvTcConfig | None = None, gated: bool = False):
     """out = x @ W^T (gated: silu(x @ gate^T) * (x @ up^T) for W = [gate; up]) for x (m, K) given as its bf16
-    plane: planes (>= m * K,) uint16, x rounded to bf16 (gemm_pipelined.bf16_planes with bf16_inputs).
+    plane: planes, a C-contiguous uint16 device array of >= m * K elements (any shape: a flat workspace, or
+    an (m, K) plane), x rounded to bf16 row by row (gemm_pipelined.bf16_planes with bf16_inputs).
     weight (N, K) uint16 C-contiguous, K % 32 == 0; out float32 (m, cols), or, gated, uint16 (m, cols) for
     the bf16 plane of the result (cols = N, or N / 2 gated); m <= 8 * MAX_NT."""
     N, K = _check(planes, m, weight, gated)
@@ -285,9 +286,10 @@ def _check(planes, m: int, weight, paired: bool) -> tuple[int, int]:
         raise ValueError(f"gemv_tc: needs K % {CHUNK_K} == 0 (and an even number of rows paired), got ({N}, {K})")
     if not 1 <= m <= 8 * MAX_NT:
         raise ValueError(f"gemv_tc: m must be 1 .. {8 * MAX_NT}, got {m}")
-    if planes.dtype != np.uint16 or len(planes.shape) != 1 or planes.shape[0] < m * K or planes.shape[0] % 4:
-        raise ValueError(f"gemv_tc: planes must be a 1-D uint16 array of at least {m * K} elements (a multiple "
-                         f"of 4), got {planes.dtype} {tuple(planes.shape)}")
+    size = int(np.prod(planes.shape))
+    if planes.dtype != np.uint16 or not planes.is_c_contiguous() or size < m * K or size % 4:
+        raise ValueError(f"gemv_tc: planes must be a C-contiguous uint16 array of at least {m * K} elements (a "
+                         f"multiple of 4), got {planes.dtype} {tuple(planes.shape)}")
     return N, K
 
 
@@ -296,6 +298,6 @@ def _launch(planes, m: int, weight, config, stream, pairing: str, head_dim: int,
     N, K = weight.shape
     kernel = _gemv_tc_kernel(n_tiles(m), *config, pairing, head_dim, fmt)
     # the whole workspace as uint64 words (a slice would be a new device array per launch)
-    x64 = view(planes, (planes.shape[0] // 4,), np.uint64)
+    x64 = view(planes, (int(np.prod(planes.shape)) // 4,), np.uint64)
     launch(kernel, _cdiv(N, 16 * config.row_warps), kernel.threads, stream, x64,
            view(weight, (N, K // 4), np.uint64), *outputs, dependent=True)

@@ -109,9 +109,11 @@ GEMV_TC_CONFIGS = {2: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1,
                    4: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1, 2)),
                    8: (gemv_tc.GemvTcConfig(8, 1, 2, True), gemv_tc.GemvTcConfig(4, 1, 8))}
 GEMV_TC_NARROW_N = 2048
-# NOTE: the engine keeps off gemv_tc in the simulator, where every emulated mma costs two block barriers over
-# Python threads (gemv_tc's own tests run there; a test switches this on to walk the engine's entry points).
-GEMV_TC_IN_ENGINE = not SIMULATOR
+# NOTE: off for now. gemv_tc and its epilogues pass their kernel tests on an H100, but the engine's GPU tests
+# with it have not run to the end (their first run found a bug, fixed since in the simulator only) and the
+# decode step has not been timed with it: turn it on (not SIMULATOR: every emulated mma costs two block barriers
+# over Python threads) once both are done (BENCHMARKS.md, issue 29). A test switches it on to walk the entry points.
+GEMV_TC_IN_ENGINE = False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,7 +283,6 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
                      split_workspace=split_workspace, planes_ready=planes_ready)
         matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
         return
-    planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
     if up_tc:
         _tc(x, gate_up, act_planes, workspace, stream, planes_ready, gated=True)
     else:
@@ -289,8 +290,9 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
                                       tile=up_plan[0], splits=up_plan[1], split_workspace=split_workspace,
                                       planes_ready=planes_ready)
     if down_tc:
-        gemv_tc.gemv_tc(planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
+        gemv_tc.gemv_tc(act_planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
     else:
+        planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_plan[0],
                                    splits=down_plan[1], split_workspace=split_workspace)
 
