@@ -42,6 +42,8 @@ The numbers behind each choice are in docs/performance.md.
 
 from __future__ import annotations
 
+import os
+
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels import activation, gemm_pipelined, gemv_tc, rope
 from cuda_kernels.compat import SIMULATOR
@@ -109,11 +111,12 @@ GEMV_TC_CONFIGS = {2: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1,
                    4: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1, 2)),
                    8: (gemv_tc.GemvTcConfig(8, 1, 2, True), gemv_tc.GemvTcConfig(4, 1, 8))}
 GEMV_TC_NARROW_N = 2048
-# NOTE: off for now. gemv_tc and its epilogues pass their kernel tests on an H100, but the engine's GPU tests
-# with it have not run to the end (their first run found a bug, fixed since in the simulator only) and the
-# decode step has not been timed with it: turn it on (not SIMULATOR: every emulated mma costs two block barriers
-# over Python threads) once both are done (BENCHMARKS.md, issue 29). A test switches it on to walk the entry points.
-GEMV_TC_IN_ENGINE = False
+# NOTE: off unless TINYVLLM_GEMV_TC=1, for now. gemv_tc and its epilogues pass their kernel tests on an H100,
+# but the engine's GPU tests with it have not run to the end (their first run found a bug, fixed since in the
+# simulator only) and the decode step has not been timed with it; the variable lets one GPU run do both (tests
+# and an A/B of the step) before it becomes the default (BENCHMARKS.md, issue 29). Never in the simulator, where
+# every emulated mma costs two block barriers over Python threads (a test switches it on to walk the entry points).
+GEMV_TC_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_GEMV_TC", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
