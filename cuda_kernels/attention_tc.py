@@ -85,10 +85,9 @@ TC_FORMATS = ("bf16", "fp8")   # the KV formats it reads (see the module docstri
 def tc_config(head_dim: int) -> tuple[int, int]:
     """(warps per block, keys per K/V tile) of prefill_attention_tc for head_dim.
 
-    NOTE: from ptxas on sm_90 (tools/offline_compile.py), not yet from timings: at head_dim 64, 64-key tiles
-    take 224 registers (2 blocks of 4 warps per SM), 32-key tiles 168 (3 blocks); neither spills. At 128
-    the O accumulators alone are 64 registers per lane: 16-key tiles and 2 warps (shared memory under 48 KB)
-    are what fits without spills. The simulator's emulated mma costs two block barriers per call: 2 warps
+    NOTE: the largest tiles and most warps that fit the registers without spills (64-key tiles and 4 warps
+    at head_dim up to 64, 16-key tiles and 2 warps at 128; register counts: docs/performance.md, "prefill
+    attention (tensor cores)"). The simulator's emulated mma costs two block barriers per call: 2 warps
     and 16-key tiles there, so that tiny contexts still walk several tiles (the rescaling path)."""
     if SIMULATOR:
         return 2, 16
@@ -257,8 +256,8 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
         vs = cuda.shared.array(V_SHARED, uint64)
         # NOTE: every shared access goes through a per-thread slice at a compile-time offset: the address is
         # then a base register plus an immediate, instead of one live 64-bit register per unrolled access
-        # (LLVM hoists the loop-invariant addresses out of the key loop: 255 registers and spills at 64-key
-        # tiles, against 224 and none this way).
+        # (LLVM hoists the loop-invariant addresses out of the key loop; the spills this avoids:
+        # docs/performance.md, "prefill attention (tensor cores)").
         k_row, k_word = tid // ROW_WORDS, tid % ROW_WORDS
         v_quad, v_word = tid % KEY_QUADS, tid // KEY_QUADS
         k_store = ks[((k_word // 4) * K_PLANE_ROWS + k_row) * 4 + k_word % 4:]

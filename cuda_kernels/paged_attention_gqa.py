@@ -23,7 +23,7 @@ Shapes and dtypes:
     context_lens  (S,)                    int32     0 marks a padding slot: its output is 0
     out           (S, Hq, d)              float32
     workspace     (n,)                    float32   the split's partials, carved from one buffer of
-                                                    decode_workspace_size(...) floats
+                                                    attention_policy.decode_workspace_size(...) floats
 d must be a multiple of 8 and at most 128 (K/V are loaded 64 bits at a time: 4 bf16, 2 fp32 or 8 fp8).
 Argument checks: attention_args.py. The cache's format is a compile-time choice of the kernel factory
 (kv_format.codec: a 64-bit word's values); the fp8 cache's per-tensor scales are folded in by the launcher
@@ -35,9 +35,8 @@ shared-memory store and load of every K/V word and a 32-lane max per tile; this 
 reads K/V once for all G heads.
     grid  = (S, Hkv * HEAD_CHUNKS, P): HEAD_CHUNKS = ceil(G / BLOCK_HEADS) chunks of BLOCK_HEADS <= 4 query
             heads per KV head (register budget), P partitions of the block table (P = 1: no workspace, the
-            kernel writes out itself); WARPS and P from shapes only (decode_warps_policy, decode_partitions:
-            8 warps and no split for a batch-1 decode graph up to 512 keys; see the NOTE at
-            SMALL_GRID_WARPS); LANES_PER_KEY too (decode_lanes_policy)
+            kernel writes out itself); WARPS, P and LANES_PER_KEY from shapes only, by the policies of
+            attention_policy.py (8 warps and no split for a batch-1 decode graph up to 512 keys)
     block = WARPS warps; lane = slot * L + sub, L = LANES_PER_KEY (8, or 4): the L lanes of a slot share one
             key, lane sub owning 64-bit words sub, sub + L, ... of the K and V rows (4 bf16 each), so one
             warp load instruction reads 32 / L whole 32-byte sectors; the 32 / L slots take 32 / L keys.
@@ -79,45 +78,21 @@ from cuda_kernels.primitives import FULL_MASK, WARP
 
 LOG2E = float32(1 / math.log(2))
 LN2 = float32(math.log(2))
-# Lanes sharing one key in the fast kernel. 8 (d = 64: 8 dims each) compiles to 166 registers, 12 warps per
-# SM; 4 needs ~20% fewer instructions per key but 233 registers, 8 warps per SM. decode_lanes_policy picks
-# 4 for some shapes, DEFAULT_LANES_PER_KEY otherwise.
-DEFAULT_LANES_PER_KEY = 8
-# NOTE: 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
-# LONG_WALK_ROUNDS KV blocks (512 blocks are two full waves of 2 blocks per SM at 4 lanes, 1.3 waves of 3 at
-# 8); everywhere else 8 lanes tied or won. At head_dim 128, 4 lanes spill. Measured on the H200:
-# docs/performance.md, "decode attention".
-LONG_WALK_ROUNDS = 16
+# Lanes sharing one key (LANES_PER_KEY): 8, or 4 (fewer instructions per key, more registers; registers per
+# configuration: docs/performance.md, "decode attention"). attention_policy.decode_lanes_policy picks.
 # 64-bit words of K (and of V) a lane loads per chunk of keys. The walk keeps two chunks in registers (one
 # consumed, the next in flight). NOTE: 8 was the best or near it at every shape measured on the H200
 # (docs/performance.md, "decode attention").
 CHUNK_WORDS = 8
 MAX_BLOCK_HEADS = 4                 # query heads one block of the fast kernel serves (registers: q and acc)
-# The fast kernel's policy (from shapes only, so a captured CUDA graph stays valid). Warps: SMALL_GRID_WARPS per
-# block when the grid has no more blocks than the GPU has SMs, MAX_WARPS otherwise. Partitions: none while
-# each warp walks at most SPLIT_ROUNDS KV blocks; past that, partitions of PARTITION_ROUNDS blocks per warp,
-# as many as keep the grid at about TARGET_BLOCKS blocks.
-# NOTE: the reduce kernel and the partials cost about two rounds of a warp's walk, so a split pays only for
-# long contexts at small batches; a short context takes one pass of more warps (docs/performance.md, "decode
-# attention").
-SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
-# The most warps a caller may ask for. NOTE: the register file bounds a block too (65,536 registers per SM).
-# ptxas (sm_90, CUDA 13.0) gives the fast kernel 40-255 registers per thread, the most where the shared
-# memory allows the fewest warps. At 32 warps a one-head block (72 x 1,024) would not launch, and at 16 one
-# configuration fails (head_dim 40, group 4, 8 lanes: 134 x 512). At 12 the most any configuration needs is
-# 64,512 of the 65,536 (head_dim 40, groups 7 and 8, 8 lanes: 168 x 384, with the walk's two chunks of
-# registers; 161 x 384 before): tools/offline_compile.py --attention-warps checks every configuration offline.
+# The most warps a caller may ask for. NOTE: the register file (65,536 registers per SM) bounds a block too:
+# at 12 warps every configuration fits, at 16 one does not (tools/offline_compile.py --attention-warps checks
+# every configuration offline; the register counts are in docs/performance.md, "decode attention").
 MAX_FAST_WARPS = 12
-# NOTE: per KV format (ptxas of CUDA 13.5, tools/offline_compile.py --attention-warps --kv-cache-dtype): every
-# fp8 configuration fits (57,856 at most: head_dim 40, group 7, 4 lanes, 8 warps: 226 x 256), but with an fp32
-# cache head_dim 128, one query head per block and 4 lanes per key take 221 registers, and the 11 warps its
-# shared memory allows would need 77,792. fp32 is capped at 8 warps (255 x 256 always fits); the policy never
-# asks for more than 8 anyway.
+# NOTE: per KV format: every fp8 configuration fits at the warps its shared memory allows (up to 12), but an
+# fp32 cache at head_dim 128, one query head per block and 4 lanes per key would not at its 11
+# (docs/performance.md): fp32 is capped at 8 warps, which the policy never exceeds anyway.
 FAST_WARPS_BY_FORMAT = {"bf16": MAX_FAST_WARPS, "fp8": MAX_FAST_WARPS, "fp32": 8}
-SM_COUNT = 132                      # H200
-SPLIT_ROUNDS = 4
-PARTITION_ROUNDS = 2
-TARGET_BLOCKS = 512
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers and kernels
@@ -440,72 +415,23 @@ def fast_warps(head_dim: int, group: int, lanes_per_key: int, most: int = MAX_WA
     return max(1, min(most, SHARED_BUDGET // per_warp))
 
 
-def _grid_blocks(num_seqs, num_heads, num_kv_heads):
-    """Blocks of the fast kernel's grid per partition: (sequence, KV head, chunk of query heads)."""
-    group = num_heads // num_kv_heads
-    return int(num_seqs) * num_kv_heads * -(-group // heads_per_block(group))
-
-
-def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_key=DEFAULT_LANES_PER_KEY) -> int:
-    """Warps per block of the fast kernel by default: more for a grid that does not fill the SMs."""
-    small = _grid_blocks(num_seqs, num_heads, num_kv_heads) <= SM_COUNT
-    return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key,
-                      most=SMALL_GRID_WARPS if small else MAX_WARPS)
-
-
-def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
-    """Lanes per key of the fast kernel by default, from shapes only (max_blocks = block_tables.shape[1]):
-    4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
-    (long contexts at mid-size batches), 8 otherwise (see the NOTE at LONG_WALK_ROUNDS)."""
-    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, DEFAULT_LANES_PER_KEY)
-    parts, partition_blocks = decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps)
-    blocks = parts * _grid_blocks(num_seqs, num_heads, num_kv_heads)
-    long_walk = partition_blocks >= LONG_WALK_ROUNDS * warps
-    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else DEFAULT_LANES_PER_KEY
-
-
-def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):
-    """(partitions, KV blocks per partition) of the fast kernel with a workspace and `warps` warps per block
-    (decode_warps_policy), from shapes only: max_blocks = block_tables.shape[1]. No split (1 partition) while
-    a warp walks at most SPLIT_ROUNDS KV blocks; else partitions of PARTITION_ROUNDS blocks per warp, at most
-    as many as give the grid about TARGET_BLOCKS blocks."""
-    width = max(int(max_blocks), 1)
-    parts = 1
-    if width > SPLIT_ROUNDS * warps:
-        longest = -(-width // (PARTITION_ROUNDS * warps))
-        wanted = -(-TARGET_BLOCKS // max(1, _grid_blocks(num_seqs, num_heads, num_kv_heads)))
-        parts = max(1, min(longest, wanted))
-    partition_blocks = -(-width // parts)
-    return -(-width // partition_blocks), partition_blocks
-
-
-def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
-    """float32 elements of the fast kernel's workspace for every batch of up to max_num_seqs sequences and
-    block tables up to max_blocks wide, at either lanes_per_key (the runner allocates it once;
-    `paged_attention(..., workspace=)`)."""
-    most = 0
-    for s in range(1, int(max_num_seqs) + 1):
-        for lanes in (4, 8):
-            warps = decode_warps_policy(s, num_heads, num_kv_heads, head_dim, lanes)
-            parts, _ = decode_partitions(s, num_heads, num_kv_heads, max_blocks, warps)
-            if parts > 1:
-                most = max(most, s * num_heads * parts * (head_dim + 2))
-    return most
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
                     partition_blocks=None, lanes_per_key=None, warps=None, k_scale=1.0, v_scale=1.0):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (fast kernel).
 
     The caches in any format of kv_format; k_scale, v_scale: the fp8 cache's per-tensor scales.
-    workspace: a float32 device array of at least decode_workspace_size(...) elements, or None. With it the
-    context is split into decode_partitions(...) partitions (from shapes only: CUDA-graph safe) and a second
-    kernel merges them; without it one pass per (sequence, KV head), fine for big batches.
+    workspace: a float32 device array of at least attention_policy.decode_workspace_size(...) elements, or
+    None. With it the context is split into attention_policy.decode_partitions(...) partitions (from shapes
+    only: CUDA-graph safe) and a second kernel merges them; without it one pass per (sequence, KV head), fine
+    for big batches.
     partition_blocks, lanes_per_key, warps: override the policy (tests and benchmarks); any partition_blocks
     >= 1, lanes_per_key 4 or 8 and warps from 1 to what the shared memory holds are correct.
     NOTE: launched with PDL, so the kernel before it in the stream may still run while this one reads
     block_tables, context_lens and the K/V of every key but each sequence's newest (position
     context_len - 1): only that key may come from the kernel before (a decode step's QKV + RoPE)."""
+    # NOTE: imported here, not at the top: attention_policy imports this module's fast_warps and heads_per_block
+    from cuda_kernels.attention_policy import decode_lanes_policy, decode_partitions, decode_warps_policy
+
     d, block_size = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, out)
     fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
     num_seqs, num_heads = q.shape[:2]
@@ -517,7 +443,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
         raise ValueError(f"lanes_per_key must be 4 or 8, got {lanes_per_key!r}")
     group = num_heads // num_kv_heads
     # NOTE: the split follows the policy's warps even when `warps` overrides them, so that the workspace
-    # decode_workspace_size gives always suffices
+    # attention_policy.decode_workspace_size gives always suffices
     policy_warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, d, lanes)
     if partition_blocks is None:
         partition_blocks = max_blocks if workspace is None else \
@@ -551,7 +477,7 @@ def _carve(workspace, num_seqs, num_heads, parts, d):
     """(partial_out, partial_max, partial_sum) as views of the front of the flat workspace: no allocation."""
     n = num_seqs * num_heads * parts
     if workspace is None:
-        raise ValueError(f"{parts} partitions need a workspace (see decode_workspace_size)")
+        raise ValueError(f"{parts} partitions need a workspace (see attention_policy.decode_workspace_size)")
     if workspace.ndim != 1 or workspace.dtype != np.float32 or workspace.shape[0] < n * (d + 2):
         raise ValueError(f"workspace: expected at least ({n * (d + 2)},) float32 for {parts} partitions, "
                          f"got {tuple(workspace.shape)} {workspace.dtype}")

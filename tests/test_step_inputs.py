@@ -101,7 +101,7 @@ def test_buckets():
 def test_short_contexts_decode_in_one_pass():
     """A context of up to 512 tokens (16-token blocks) lands in a bucket whose decode attention takes one pass
     (no split-K partitions, no reduce kernel) at the batches the decode-step goals measure (Llama-3.2-1B heads)."""
-    from cuda_kernels import paged_attention_gqa as pa
+    from cuda_kernels import attention_policy as pa
 
     for tokens in (129, 272, 511):
         width = next(w for w in width_buckets(8192) if w >= -(-(tokens + 1) // 16))

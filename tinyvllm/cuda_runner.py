@@ -42,8 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import (argmax, attention, attention_tc, embedding, gemm_pipelined, matmul, paged_attention_gqa,
-                          rmsnorm, sampling)
+from cuda_kernels import (argmax, attention, attention_policy, attention_tc, embedding, gemm_pipelined, matmul,
+                          paged_attention_gqa, rmsnorm, sampling)
 from cuda_kernels import kv_cache, kv_format, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
@@ -163,7 +163,7 @@ class CUDARunner:
         max_width = min(-(-c.max_position_embeddings // block_size), self.num_blocks)
         self.inputs = StepInputs(t, s, max_width)
         # split-K decode attention's partials, for every batch up to s sequences and tables up to max_width
-        self.attn_workspace = empty(max(1, paged_attention_gqa.decode_workspace_size(
+        self.attn_workspace = empty(max(1, attention_policy.decode_workspace_size(
             s, c.num_heads, c.num_kv_heads, c.head_dim, max_width)), f32)
         self.stream = cuda.stream()
         self.tokens_out = [PinnedCopy(host, self.tokens, self.stream) for host in self.tokens_host]
@@ -487,7 +487,7 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 def width_buckets(max_width: int) -> tuple[int, ...]:
     """Block-table widths graphs are captured for: 16, 32 and 64 blocks, then x4 (256, 1024, ...), up to
     max_width. Coarse for the same reason as batch_buckets.
-    NOTE: the width is the shape decode attention's policy sees (paged_attention_gqa.decode_partitions): a
+    NOTE: the width is the shape decode attention's policy sees (attention_policy.decode_partitions): a
     table padded from 17 to 64 blocks would split a 272-token context into 4 partitions (three of them near
     empty) and add the reduce kernel, where 32 blocks take one pass. Hence the x2 steps while contexts are
     short."""

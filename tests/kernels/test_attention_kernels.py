@@ -16,7 +16,8 @@ from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, p
 
 from numba import cuda
 
-from cuda_kernels import attention, attention_tc, gemv, kv_format, matmul, paged_attention, paged_attention_gqa
+from cuda_kernels import (attention, attention_policy, attention_tc, gemv, kv_format, matmul, paged_attention,
+                          paged_attention_gqa)
 from reference import paged_attention as ref
 from reference.bf16 import f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache, kv_cache_write
@@ -192,8 +193,8 @@ def test_paged_attention_v1_matches_reference(seed, contexts, hg, d, block_size,
 fast_heads = st.sampled_from(pick([(1, 1), (1, 3), (1, 4), (2, 2), (1, 5)],
                                   [(8, 4), (8, 1), (8, 3), (2, 4), (1, 3), (2, 7), (1, 6)]))
 fast_head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
-# "none": no workspace (one pass); "policy": a workspace and decode_partitions' split; n: n KV blocks per
-# partition (the simulator's contexts are shorter than the policy's shortest partition).
+# "none": no workspace (one pass); "policy": a workspace and attention_policy.decode_partitions' split; n: n KV
+# blocks per partition (the simulator's contexts are shorter than the policy's shortest partition).
 fast_splits = st.sampled_from(pick(["none", "policy", 1, 2, 3], ["none", "policy", "policy", 1, 4, 33]))
 
 
@@ -237,7 +238,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
     s, hq = q.shape[:2]
     workspace, partition_blocks = None, None
     if split == "policy":
-        size = paged_attention_gqa.decode_workspace_size(s, hq, hkv, d, tables.shape[1])
+        size = attention_policy.decode_workspace_size(s, hq, hkv, d, tables.shape[1])
     elif split != "none":
         partition_blocks = split
         size = s * hq * -(-tables.shape[1] // split) * (d + 2)
@@ -309,7 +310,7 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
 
 def test_decode_policy_depends_on_shapes_only():
     """The warps and split policy: from (batch, heads, head_dim, table width) alone."""
-    pa = paged_attention_gqa
+    pa = attention_policy
     small, big = pa.SMALL_GRID_WARPS, pa.MAX_WARPS
     # Llama-3.2-1B heads (8 blocks per sequence): more warps while the grid does not fill the SMs
     assert pa.decode_warps_policy(1, 32, 8, 64) == small
@@ -339,7 +340,7 @@ def test_decode_policy_depends_on_shapes_only():
 def test_decode_lanes_policy():
     """4 lanes per key only for a grid of at most TARGET_BLOCKS blocks whose warps walk long (the measured
     cases of the NOTE at LONG_WALK_ROUNDS), 8 elsewhere; from shapes only."""
-    pa = paged_attention_gqa
+    pa = attention_policy
     assert pa.decode_lanes_policy(64, 32, 8, 64, 256) == 4     # batch 64 x 4,096 keys in 16-token blocks
     assert pa.decode_lanes_policy(32, 32, 8, 64, 256) == 4     # two partitions of 128 blocks: 512 blocks
     # the boundary: each warp walks LONG_WALK_ROUNDS blocks (batch 64 x 1,024 keys on the GPU's 4 warps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, attention_tc, paged_attention, paged_attention_gqa
+from cuda_kernels import attention, attention_policy, attention_tc, paged_attention, paged_attention_gqa
 from reference import paged_attention as ref
 from tools.course_ladders.common import FMA_PEAK_TFLOPS, MMA_PEAK_TFLOPS, Step
 from tools.kernel_benchmarks.attention import _atol, _paged_cache
@@ -93,7 +93,7 @@ def decode_steps(real: bool) -> list[Step]:
     work = [cuda.device_array(w, np.float32)
             for w in paged_attention.split_workspace_shapes(s, hq, d, max(contexts), partition)]
     width = tables.shape[1]
-    workspace = cuda.device_array(max(1, paged_attention_gqa.decode_workspace_size(s, hq, hkv, d, width)), np.float32)
+    workspace = cuda.device_array(max(1, attention_policy.decode_workspace_size(s, hq, hkv, d, width)), np.float32)
     args = (dq, dk, dv, dt, dl, scale, out)
     rungs = [
         ("8a paged_attention_walk", "a warp per (sequence, head), one key at a time",

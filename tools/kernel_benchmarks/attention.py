@@ -8,7 +8,7 @@ engine_decode_case (tools/bench.py's kernels workload) is the decode call of the
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, attention_tc, paged_attention, paged_attention_gqa
+from cuda_kernels import attention, attention_policy, attention_tc, paged_attention, paged_attention_gqa
 from reference import paged_attention as ref
 from reference.bf16 import bf16_to_f32
 from reference.kv_format import kv_encode
@@ -60,7 +60,7 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
     out = cuda.device_array((batch, HQ, D), np.float32)
     workspace = cuda.device_array(
-        max(1, paged_attention_gqa.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1])), np.float32)
+        max(1, attention_policy.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1])), np.float32)
     kv_bytes = 2 * batch * context * HKV * D * 2
     reference = []   # computed once, by the first check that needs it
 
@@ -88,8 +88,8 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
 
     shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {block}"
     def policy(lanes):
-        warps = paged_attention_gqa.decode_warps_policy(batch, HQ, HKV, D, lanes)
-        parts, blocks = paged_attention_gqa.decode_partitions(batch, HQ, HKV, tables.shape[1], warps)
+        warps = attention_policy.decode_warps_policy(batch, HQ, HKV, D, lanes)
+        parts, blocks = attention_policy.decode_partitions(batch, HQ, HKV, tables.shape[1], warps)
         return f"{warps} warps, " + (f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split")
 
     cases = [Case("attention", f"paged_attention (fast, {lanes} lanes/key, {policy(lanes)}) {shape}",
@@ -122,7 +122,7 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
     dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
     out = cuda.device_array((batch, hq, d), np.float32)
     width = tables.shape[1]
-    workspace = cuda.device_array(max(1, paged_attention_gqa.decode_workspace_size(batch, hq, hkv, d, width)),
+    workspace = cuda.device_array(max(1, attention_policy.decode_workspace_size(batch, hq, hkv, d, width)),
                                   np.float32)
 
     def launch(stream):
@@ -136,9 +136,9 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
         np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
 
     # the launcher's policy, spelled out (paged_attention computes the same from the same shapes)
-    lanes = paged_attention_gqa.decode_lanes_policy(batch, hq, hkv, d, width)
-    warps = paged_attention_gqa.decode_warps_policy(batch, hq, hkv, d, lanes)
-    parts, blocks = paged_attention_gqa.decode_partitions(batch, hq, hkv, width, warps)
+    lanes = attention_policy.decode_lanes_policy(batch, hq, hkv, d, width)
+    warps = attention_policy.decode_warps_policy(batch, hq, hkv, d, lanes)
+    parts, blocks = attention_policy.decode_partitions(batch, hq, hkv, width, warps)
     split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
     name = "PagedAttention decode" + ("" if kv_cache_dtype == "bf16" else f" ({kv_cache_dtype} KV cache)")
     return Case("attention", name, launch, check, bytes_moved=2 * batch * context * hkv * d * itemsize,
