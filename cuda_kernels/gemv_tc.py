@@ -92,10 +92,6 @@ def n_tiles(m: int) -> int:
     return next(nt for nt in (2, 4, MAX_NT) if 8 * nt >= m)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def reduction_bytes(config: GemvTcConfig, nt: int) -> int:
     """Shared memory of the K-part reduction (0 for one part)."""
     k_warps, row_warps = config.k_warps, config.row_warps
@@ -299,5 +295,5 @@ def _launch(planes, m: int, weight, config, stream, pairing: str, head_dim: int,
     kernel = _gemv_tc_kernel(n_tiles(m), *config, pairing, head_dim, fmt)
     # the whole workspace as uint64 words (a slice would be a new device array per launch)
     x64 = view(planes, (int(np.prod(planes.shape)) // 4,), np.uint64)
-    launch(kernel, _cdiv(N, 16 * config.row_warps), kernel.threads, stream, x64,
+    launch(kernel, -(-N // (16 * config.row_warps)), kernel.threads, stream, x64,
            view(weight, (N, K // 4), np.uint64), *outputs, dependent=True)

@@ -201,7 +201,7 @@ def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
             and n * k <= GEMV_TC_MAX_WEIGHT and k % gemv_tc.CHUNK_K == 0)
 
 
-def gemv_tc_config(m: int, n: int, k: int, gated: bool = False) -> gemv_tc.GemvTcConfig:
+def gemv_tc_config(m: int, n: int, k: int) -> gemv_tc.GemvTcConfig:
     """The GemvTcConfig gemv_tc uses for x (m, k) @ W (n, k)^T (gated: W = [gate; up], n = 2F rows): a pure
     function of the n8 tiles and the weight's rows. The small weights it serves have few 16-row tiles, so K
     is split over 8 warps a tile (4 for the widest at 64 rows) to put enough loads in flight on every SM; the
@@ -306,16 +306,14 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
     """The QKV projection, then RoPE and the KV-cache write (rope.rope_kv_write's outputs from qkv = x @ W^T;
     the caches in any format of kv_format, k_scale and v_scale the fp8 cache's scales):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
-    memory, no RoPE kernel), where uses_gemv_tc says gemv_tc with the same epilogue, else matmul into scratch (at least (M, N) float32) and rope.rope_kv_write.
-    planes_ready: as matmul's. Twin: reference.matmul.matmul_rope_kv_write."""
+    memory, no RoPE kernel), where uses_gemv_tc says gemv_tc with the same epilogue, else matmul into scratch
+    (at least (M, N) float32) and rope.rope_kv_write. planes_ready: as matmul's. Twin: reference.matmul.matmul_rope_kv_write."""
     (M, K), N = x.shape, weight.shape[0]
     if uses_gemv(M, N):
         gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
                   config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, k_scale=k_scale, v_scale=v_scale)
     elif workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
-        if not planes_ready:
-            gemm_pipelined.bf16_planes(x, workspace, stream, bf16_inputs=True)
-        gemv_tc.gemv_tc_rope(workspace, M, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
+        gemv_tc.gemv_tc_rope(_x_plane(x, workspace, stream, planes_ready), M, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
                              config=gemv_tc_config(M, N, K), k_scale=k_scale, v_scale=v_scale)
     else:
         qkv = _rows(scratch, x.shape[0])
@@ -324,12 +322,17 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
         rope.rope_kv_write(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream, k_scale, v_scale)
 
 
-def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
-    """gemv_tc on x's bf16 plane in workspace (converted first unless planes_ready)."""
+def _x_plane(x, workspace, stream, planes_ready: bool):
+    """The workspace holding x's bf16 plane for gemv_tc: converted into it first unless planes_ready."""
     if not planes_ready:
         gemm_pipelined.bf16_planes(x, workspace, stream, bf16_inputs=True)
-    gemv_tc.gemv_tc(workspace, x.shape[0], weight, out, stream,
-                    config=gemv_tc_config(x.shape[0], weight.shape[0], x.shape[1], gated), gated=gated)
+    return workspace
+
+
+def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
+    """gemv_tc on x's bf16 plane in workspace (converted first unless planes_ready)."""
+    gemv_tc.gemv_tc(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream,
+                    config=gemv_tc_config(x.shape[0], weight.shape[0], x.shape[1]), gated=gated)
 
 
 def _rows(scratch, m: int):
