@@ -329,18 +329,27 @@ def test_run_all_holds_blas_to_one_thread_and_raises_a_task_error(threaded):
         run_all([lambda: None, lambda: 1 / 0])
 
 
+CHUNKED_HEADS = (3, 2, 8)   # (GQA group, KV heads, head dim) of chunked_prefill's cases
+
+
+def chunked_prefill(rng, chunks, scale=0.35):
+    """A prefill batch of chunks (new queries, cached tokens before them) over a paged bf16 cache of 16-token
+    blocks: (prefill_attention's arguments, each sequence's K and V as written)."""
+    group, hkv, d = CHUNKED_HEADS
+    contexts = [n + cached for n, cached in chunks]
+    k_cache, v_cache, tables, ks, vs = scatter_into_cache(rng, contexts, 16, hkv, d)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
+    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
+    return (q, k_cache, v_cache, tables, cu, np.array(contexts), scale), ks, vs
+
+
 def test_prefill_attention_in_threads_equals_the_math(threaded, monkeypatch):
     """Query tiles of 8 dealt out to two threads: every query still attends causally to its whole context
     (the math reference), and the result does not depend on the number of threads, to the bit."""
     monkeypatch.setattr("reference.paged_attention.QUERY_TILE", 8)
-    rng = np.random.default_rng(11)
     chunks = [(40, 0), (9, 30), (1, 20), (17, 3)]            # (new queries, cached tokens before them)
-    contexts = [n + cached for n, cached in chunks]
-    group, hkv, d, scale = 3, 2, 8, 0.35
-    k_cache, v_cache, tables, ks, vs = scatter_into_cache(rng, contexts, 16, hkv, d)
-    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
-    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
-    args = (q, k_cache, v_cache, tables, cu, np.array(contexts), scale)
+    args, ks, vs = chunked_prefill(np.random.default_rng(11), chunks)
+    q, cu, scale = args[0], args[4], args[6]
     got = prefill_attention(*args)
     for s, (n, cached) in enumerate(chunks):
         want = attention(q[cu[s]:cu[s + 1]], ks[s], vs[s], np.arange(cached, cached + n), scale)
@@ -391,14 +400,11 @@ def test_prefill_attention_in_query_tiles_equals_float64_softmax(monkeypatch, ti
     every query still attends causally to its whole context, in float64 as in one piece."""
     if tile is not None:
         monkeypatch.setattr("reference.paged_attention.QUERY_TILE", tile)
-    rng = np.random.default_rng(7)
     chunks = [(300, 0), (37, 21), (1, 50), (16, 0)]          # (new queries, cached tokens before them)
-    contexts = [n + cached for n, cached in chunks]
-    group, hkv, d, scale = 3, 2, 8, 0.35
-    k_cache, v_cache, tables, ks, vs = scatter_into_cache(rng, contexts, 16, hkv, d)
-    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])])
-    q = rng.standard_normal((cu[-1], hkv * group, d), dtype=np.float32)
-    got = prefill_attention(q, k_cache, v_cache, tables, cu, np.array(contexts), scale)
+    args, ks, vs = chunked_prefill(np.random.default_rng(7), chunks)
+    q, cu, scale = args[0], args[4], args[6]
+    group, hkv = CHUNKED_HEADS[:2]
+    got = prefill_attention(*args)
     for s, (n, cached) in enumerate(chunks):
         k, v = ks[s].astype(np.float64), vs[s].astype(np.float64)
         for i in range(n):
