@@ -1,7 +1,10 @@
-"""The decode attention's policies: which configuration of paged_attention_gqa runs for a shape.
+"""Attention's entry points and policies: which kernel, in which configuration, runs for a shape.
 
-Pure functions of the shapes (batch, heads, head_dim, block-table width), never of the context lengths, so a
-captured CUDA graph stays valid; paged_attention_gqa.paged_attention applies them unless told otherwise.
+The engine calls decode_attention and prefill_attention; the kernel launchers behind them take their
+configuration explicitly. Every policy is a pure function of the shapes (batch, heads, head_dim, block-table
+width, KV format), never of the context lengths, so a captured CUDA graph stays valid.
+
+Decode, paged_attention_gqa.paged_attention (decode_config gathers the three choices):
 - decode_warps_policy: warps per block, SMALL_GRID_WARPS when the grid has no more blocks than the GPU has
   SMs, MAX_WARPS otherwise (both capped by what the kernel's shared memory holds, fast_warps).
 - decode_partitions: split-K or not; none while each warp walks at most SPLIT_ROUNDS KV blocks, else
@@ -9,9 +12,15 @@ captured CUDA graph stays valid; paged_attention_gqa.paged_attention applies the
 - decode_lanes_policy: lanes per key, 4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk
   LONG_WALK_ROUNDS KV blocks or more, DEFAULT_LANES_PER_KEY (8) otherwise.
 - decode_workspace_size: the split's workspace for every batch up to a size (the runner allocates it once).
-The numbers behind each choice are in docs/performance.md, "decode attention".
+Prefill:
+- uses_prefill_tc: attention_tc.prefill_attention_tc where the head size and the KV format allow, else
+  attention.prefill_attention (the SIMT flash kernel);
+- prefill_tc_config: the tensor-core kernel's warps and keys per K/V tile, by head_dim.
+The numbers behind each choice are in docs/performance.md, "decode attention" and "prefill attention (tensor
+cores)".
 """
 
+from cuda_kernels import attention, attention_tc, kv_format, paged_attention_gqa
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.paged_attention import MAX_WARPS
 from cuda_kernels.paged_attention_gqa import fast_warps, heads_per_block
@@ -31,6 +40,10 @@ PARTITION_ROUNDS = 2
 TARGET_BLOCKS = 512
 
 
+# ---------------------------------------------------------------------------------------------------------
+# decode policies
+
+
 def _grid_blocks(num_seqs, num_heads, num_kv_heads):
     """Blocks of the fast kernel's grid per partition: (sequence, KV head, chunk of query heads)."""
     group = num_heads // num_kv_heads
@@ -38,14 +51,14 @@ def _grid_blocks(num_seqs, num_heads, num_kv_heads):
 
 
 def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_key=DEFAULT_LANES_PER_KEY) -> int:
-    """Warps per block of the fast kernel by default: more for a grid that does not fill the SMs."""
+    """Warps per block of the fast kernel: more for a grid that does not fill the SMs."""
     small = _grid_blocks(num_seqs, num_heads, num_kv_heads) <= SM_COUNT
     return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key,
                       most=SMALL_GRID_WARPS if small else MAX_WARPS)
 
 
 def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
-    """Lanes per key of the fast kernel by default, from shapes only (max_blocks = block_tables.shape[1]):
+    """Lanes per key of the fast kernel, from shapes only (max_blocks = block_tables.shape[1]):
     4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
     (long contexts at mid-size batches), 8 otherwise (see the NOTE at LONG_WALK_ROUNDS)."""
     warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, DEFAULT_LANES_PER_KEY)
@@ -70,10 +83,18 @@ def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):
     return -(-width // partition_blocks), partition_blocks
 
 
+def decode_config(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> tuple[int, int, int]:
+    """(lanes per key, warps, KV blocks per partition) of the fast kernel with a workspace: decode_lanes_policy,
+    decode_warps_policy at those lanes, decode_partitions at those warps (max_blocks = block_tables.shape[1])."""
+    lanes = decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks)
+    warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes)
+    return lanes, warps, decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps)[1]
+
+
 def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
     """float32 elements of the fast kernel's workspace for every batch of up to max_num_seqs sequences and
     block tables up to max_blocks wide, at either lanes_per_key (the runner allocates it once;
-    `paged_attention_gqa.paged_attention(..., workspace=)`)."""
+    decode_attention(..., workspace=))."""
     most = 0
     for s in range(1, int(max_num_seqs) + 1):
         for lanes in (4, 8):
@@ -82,3 +103,63 @@ def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_b
             if parts > 1:
                 most = max(most, s * num_heads * parts * (head_dim + 2))
     return most
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefill policies
+
+
+def uses_prefill_tc(head_dim: int, fmt: str) -> bool:
+    """Whether prefill_attention takes the tensor-core kernel for this head size and KV format.
+
+    NOTE: wherever it can (an fp32 cache, the checking format, takes the SIMT kernel); never in the simulator,
+    where every emulated mma costs two block barriers over Python threads (the kernel tests cover both)."""
+    return not SIMULATOR and head_dim in attention_tc.TC_HEAD_DIMS and fmt in attention_tc.TC_FORMATS
+
+
+def prefill_tc_config(head_dim: int) -> tuple[int, int]:
+    """(warps per block, keys per K/V tile) of attention_tc.prefill_attention_tc for head_dim.
+
+    NOTE: the largest tiles and most warps that fit the registers without spills (64-key tiles and 4 warps
+    at head_dim up to 64, 16-key tiles and 2 warps at 128; register counts: docs/performance.md, "prefill
+    attention (tensor cores)"). The simulator's emulated mma costs two block barriers per call: 2 warps
+    and 16-key tiles there, so that tiny contexts still walk several tiles (the rescaling path)."""
+    if SIMULATOR:
+        return 2, 16
+    return (4, 64) if head_dim <= 64 else (2, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# entry points
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
+                     k_scale=1.0, v_scale=1.0):
+    """out (S, Hq, d) <- decode attention, as the engine runs it: paged_attention_gqa.paged_attention (same
+    arguments) in decode_config's configuration. workspace: a float32 device array of at least
+    decode_workspace_size(...) elements, or None. With it the context is split into decode_partitions(...)
+    partitions and a second kernel merges them; without it one pass per (sequence, KV head), fine for big
+    batches."""
+    num_seqs, num_heads, head_dim = q.shape
+    lanes, warps, partition_blocks = decode_config(num_seqs, num_heads, k_cache.shape[2], head_dim,
+                                                   block_tables.shape[1])
+    paged_attention_gqa.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream,
+                                        lanes_per_key=lanes, warps=warps,
+                                        partition_blocks=None if workspace is None else partition_blocks,
+                                        workspace=workspace, k_scale=k_scale, v_scale=v_scale)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len,
+                      stream=0, k_scale=1.0, v_scale=1.0):
+    """out (T, Hq, d) <- causal prefill attention, as the engine runs it (attention.prefill_attention's
+    arguments and result): the tensor-core kernel in prefill_tc_config's configuration where uses_prefill_tc
+    says, else the SIMT flash kernel."""
+    head_dim = q.shape[2]
+    if uses_prefill_tc(head_dim, kv_format.format_of(k_cache)):
+        warps, keys = prefill_tc_config(head_dim)
+        attention_tc.prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                          out, max_q_len, stream, warps=warps, keys_per_tile=keys,
+                                          k_scale=k_scale, v_scale=v_scale)
+    else:
+        attention.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
+                                    max_q_len, stream, k_scale, v_scale)

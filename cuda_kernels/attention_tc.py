@@ -27,10 +27,11 @@ times k_scale, the output times v_scale). fp32 is refused: its K/V would need th
 
 `prefill_attention_tc`: grid = (S, ceil(max_q_len * G / ROWS), Hkv) as in the SIMT flash kernel: a block
 owns ROWS query rows of one sequence and one KV head, a row being a (query token, query head of the group)
-pair, so the group's query heads share every K/V tile. ROWS = 16 * WARPS (tc_config: 4 warps, 64-key tiles
-at d <= 64). Warp w owns rows 16 w .. 16 w + 15 of the block (one m16 tile); lane (g, t) = (lane // 4,
-lane % 4) holds, in the mma's D layout, rows g and g + 8 and columns 2t, 2t + 1 of every n8 tile. Per tile
-of TILE_KEYS keys the block stages K and V in shared memory as bf16 quads (uint64), then each warp computes
+pair, so the group's query heads share every K/V tile. ROWS = 16 * WARPS (WARPS and TILE_KEYS are the
+caller's; attention_policy.prefill_tc_config: 4 warps, 64-key tiles at d <= 64). Warp w owns rows
+16 w .. 16 w + 15 of the block (one m16 tile); lane (g, t) = (lane // 4, lane % 4) holds, in the mma's D
+layout, rows g and g + 8 and columns 2t, 2t + 1 of every n8 tile. Per tile of TILE_KEYS keys the block
+stages K and V in shared memory as bf16 quads (uint64), then each warp computes
     S (16 x TILE_KEYS) = Q K^T   A = Q (three bf16 pieces, quads in shared memory), B[k = dim, n = key] = K
     online softmax of S          in registers, row max/sum across the 4 lanes of a group (2 shuffles)
     O (16 x d) += P V            A = P straight from S's accumulators, B[k = key, n = dim] = V
@@ -76,22 +77,8 @@ from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
 from cuda_kernels.primitives import FULL_MASK, WARP
 
 
-# The head dims it compiles for, and per head dim its warps per block (16 query rows each) and keys per K/V
-# tile (see tc_config).
-TC_HEAD_DIMS = (16, 32, 64, 128)
+TC_HEAD_DIMS = (16, 32, 64, 128)   # the head dims it compiles for
 TC_FORMATS = ("bf16", "fp8")   # the KV formats it reads (see the module docstring)
-
-
-def tc_config(head_dim: int) -> tuple[int, int]:
-    """(warps per block, keys per K/V tile) of prefill_attention_tc for head_dim.
-
-    NOTE: the largest tiles and most warps that fit the registers without spills (64-key tiles and 4 warps
-    at head_dim up to 64, 16-key tiles and 2 warps at 128; register counts: docs/performance.md, "prefill
-    attention (tensor cores)"). The simulator's emulated mma costs two block barriers per call: 2 warps
-    and 16-key tiles there, so that tiny contexts still walk several tiles (the rescaling path)."""
-    if SIMULATOR:
-        return 2, 16
-    return (4, 64) if head_dim <= 64 else (2, 16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,11 +416,13 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                         max_q_len, stream=0, keys_per_tile=None, k_scale=1.0, v_scale=1.0):
+                         max_q_len, stream=0, *, warps, keys_per_tile, k_scale=1.0, v_scale=1.0):
     """attention.prefill_attention on tensor cores (same arguments and result). head_dim must be one of
     TC_HEAD_DIMS and the cache bf16 or fp8: a ValueError otherwise, so that a caller can fall back to
     prefill_attention.
-    keys_per_tile (a multiple of 16) overrides tc_config's, for tuning."""
+    The configuration is the caller's (attention_policy.prefill_tc_config picks it by head_dim): warps per
+    block (16 query rows each) and keys_per_tile, a multiple of 16, keys per K/V tile; the block's threads
+    must be a multiple of the words of a K/V row (head_dim / 4) and of the key quads of a tile."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
     fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
@@ -443,16 +432,16 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     if d not in TC_HEAD_DIMS:
         raise ValueError(f"prefill_attention_tc: head_dim must be one of {TC_HEAD_DIMS}, got {d} "
                          f"(prefill_attention takes any multiple of 8)")
-    warps, keys = tc_config(d)
-    keys = keys_per_tile or keys
-    if keys % 16:
-        raise ValueError(f"prefill_attention_tc: keys_per_tile must be a multiple of 16, got {keys}")
+    if keys_per_tile < 16 or keys_per_tile % 16:
+        raise ValueError(f"prefill_attention_tc: keys_per_tile must be a multiple of 16, got {keys_per_tile}")
+    if warps < 1:
+        raise ValueError(f"prefill_attention_tc: warps must be at least 1, got {warps}")
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or max_q_len == 0:
         return
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    kernel = _tc_kernel(d, block_size, warps, keys, fmt)
+    kernel = _tc_kernel(d, block_size, warps, keys_per_tile, fmt)
     grid = (num_seqs, -(-max_q_len * group // (16 * warps)), num_kv_heads)
     quads = np.uint64 if fmt == "bf16" else np.uint32     # 4 elements per word
     launch(kernel, grid, warps * WARP, stream, q, view(k_cache, dtype=quads), view(v_cache, dtype=quads),

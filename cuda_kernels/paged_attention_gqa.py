@@ -415,39 +415,35 @@ def fast_warps(head_dim: int, group: int, lanes_per_key: int, most: int = MAX_WA
     return max(1, min(most, SHARED_BUDGET // per_warp))
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
-                    partition_blocks=None, lanes_per_key=None, warps=None, k_scale=1.0, v_scale=1.0):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, lanes_per_key, warps,
+                    partition_blocks=None, workspace=None, k_scale=1.0, v_scale=1.0):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (fast kernel).
 
     The caches in any format of kv_format; k_scale, v_scale: the fp8 cache's per-tensor scales.
-    workspace: a float32 device array of at least attention_policy.decode_workspace_size(...) elements, or
-    None. With it the context is split into attention_policy.decode_partitions(...) partitions (from shapes
-    only: CUDA-graph safe) and a second kernel merges them; without it one pass per (sequence, KV head), fine
-    for big batches.
-    partition_blocks, lanes_per_key, warps: override the policy (tests and benchmarks); any partition_blocks
-    >= 1, lanes_per_key 4 or 8 and warps from 1 to what the shared memory holds are correct.
+    The configuration is the caller's (attention_policy.decode_attention, the engine's entry point, picks it
+    from the shapes); every valid one is correct:
+    lanes_per_key: 4 or 8 lanes share a key. warps: per block, 1 to fast_warps(d, G, lanes_per_key,
+    FAST_WARPS_BY_FORMAT[format]). partition_blocks: KV blocks per partition of the split, any int >= 1: the
+    block table is cut into P = ceil(max_blocks / partition_blocks) partitions whose partials go to workspace
+    (a float32 device array of at least S * Hq * P * (d + 2) elements) and a second kernel merges them; None,
+    or P = 1: one pass, no workspace needed.
     NOTE: launched with PDL, so the kernel before it in the stream may still run while this one reads
     block_tables, context_lens and the K/V of every key but each sequence's newest (position
     context_len - 1): only that key may come from the kernel before (a decode step's QKV + RoPE)."""
-    # NOTE: imported here, not at the top: attention_policy imports this module's fast_warps and heads_per_block
-    from cuda_kernels.attention_policy import decode_lanes_policy, decode_partitions, decode_warps_policy
-
     d, block_size = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, out)
     fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
     num_seqs, num_heads = q.shape[:2]
     num_kv_heads = k_cache.shape[2]
-    max_blocks = max(block_tables.shape[1], 1)
-    lanes = decode_lanes_policy(num_seqs, num_heads, num_kv_heads, d, max_blocks) if lanes_per_key is None \
-        else lanes_per_key
-    if lanes not in (4, 8):
-        raise ValueError(f"lanes_per_key must be 4 or 8, got {lanes_per_key!r}")
     group = num_heads // num_kv_heads
-    # NOTE: the split follows the policy's warps even when `warps` overrides them, so that the workspace
-    # attention_policy.decode_workspace_size gives always suffices
-    policy_warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, d, lanes)
+    if lanes_per_key not in (4, 8):
+        raise ValueError(f"lanes_per_key must be 4 or 8, got {lanes_per_key!r}")
+    most = fast_warps(d, group, lanes_per_key, most=FAST_WARPS_BY_FORMAT[fmt])
+    if not 1 <= warps <= most:
+        raise ValueError(f"warps must be 1 to {most} for head_dim {d}, group {group}, {lanes_per_key} lanes per "
+                         f"key; got {warps!r}")
+    max_blocks = max(block_tables.shape[1], 1)
     if partition_blocks is None:
-        partition_blocks = max_blocks if workspace is None else \
-            decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, policy_warps)[1]
+        partition_blocks = max_blocks
     if int(partition_blocks) != partition_blocks or partition_blocks < 1:
         raise ValueError(f"partition_blocks must be a positive int, got {partition_blocks!r}")
     parts = -(-max_blocks // int(partition_blocks))
@@ -455,13 +451,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
         partials = _carve(workspace, num_seqs, num_heads, parts, d)
     if num_seqs == 0:
         return
-    if warps is None:
-        warps = policy_warps
-    elif not 1 <= warps <= fast_warps(d, group, lanes, most=FAST_WARPS_BY_FORMAT[fmt]):
-        raise ValueError(f"warps must be 1 to {fast_warps(d, group, lanes, most=FAST_WARPS_BY_FORMAT[fmt])} for "
-                         f"head_dim {d}, "
-                         f"group {group}, {lanes} lanes per key; got {warps!r}")
-    direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes, warps, fmt)
+    direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes_per_key, warps, fmt)
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if parts == 1:

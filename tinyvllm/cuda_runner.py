@@ -42,8 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import (argmax, attention, attention_policy, attention_tc, embedding, gemm_pipelined, matmul,
-                          paged_attention_gqa, rmsnorm, sampling)
+from cuda_kernels import argmax, attention_policy, embedding, gemm_pipelined, matmul, rmsnorm, sampling
 from cuda_kernels import kv_cache, kv_format, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
@@ -110,12 +109,6 @@ class CUDARunner:
         cos, sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.cos, self.sin = up(cos), up(sin)
         self.scale = np.float32(c.head_dim ** -0.5)
-        # NOTE: tensor-core prefill attention where the head size and the KV format allow (an fp32 cache, the
-        # checking format, takes the SIMT kernel); the simulator keeps the SIMT kernel (every emulated mma
-        # costs two block barriers over Python threads; the kernel tests cover both)
-        use_tc = (not SIMULATOR and c.head_dim in attention_tc.TC_HEAD_DIMS
-                  and kv_cache_dtype in attention_tc.TC_FORMATS)
-        self.prefill_attention = attention_tc.prefill_attention_tc if use_tc else attention.prefill_attention
 
         t, s, f32 = max_num_batched_tokens, max_num_seqs, np.float32
         empty = cuda.device_array
@@ -304,11 +297,11 @@ class CUDARunner:
             trace(i, "k", self.k_cache[i])
             trace(i, "v", self.v_cache[i])
             if decode:
-                paged_attention_gqa.paged_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale,
-                                                    attn, stream, workspace=self.attn_workspace, **scales)
+                attention_policy.decode_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale,
+                                                  attn, stream, workspace=self.attn_workspace, **scales)
             else:
-                self.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"], ctx,
-                                       self.scale, attn, max_q_len, stream, **scales)
+                attention_policy.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"],
+                                                   ctx, self.scale, attn, max_q_len, stream, **scales)
             trace(i, "attention", attn)
             mm(p["attn_rows"], layer["o"], sub, stream)
             trace(i, "o_proj", sub)

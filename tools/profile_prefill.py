@@ -40,27 +40,25 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from cuda_kernels.compat import SIMULATOR  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from cuda_kernels import argmax, attention, attention_tc, embedding, matmul, rmsnorm  # noqa: E402
+from cuda_kernels import argmax, attention_policy, embedding, matmul, rmsnorm  # noqa: E402
 from tinyvllm import LLM  # noqa: E402
 from tinyvllm.cuda_graph import CUDAGraph  # noqa: E402
 from tools.bench import greedy, tv_prefill  # noqa: E402
 
 # (module, function, label): what cuda_runner's step calls; a launcher that calls another is timed once
 LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul, "mlp", "MLP (gate/up + SiLU, down)"),
-             (matmul, "matmul", "matmul (O, LM head)"), (attention_tc, "prefill_attention_tc", "attention"),
-             (attention, "prefill_attention", "attention"), (rmsnorm, "fused_add_rmsnorm", "add + RMSNorm"),
+             (matmul, "matmul", "matmul (O, LM head)"), (attention_policy, "prefill_attention", "attention"),
+             (rmsnorm, "fused_add_rmsnorm", "add + RMSNorm"),
              (rmsnorm, "rmsnorm", "RMSNorm"), (embedding, "embedding", "embedding"),
              (embedding, "gather_rows", "gather"), (argmax, "argmax", "argmax")]
 
 
 class Wrapped:
-    """Every launcher in LAUNCHERS (and the runner's attention) replaced by around(function, label, args,
-    kwargs) for the outermost calls, while the `with` block runs."""
+    """Every launcher in LAUNCHERS replaced by around(function, label, args, kwargs) for the outermost calls,
+    while the `with` block runs."""
 
-    def __init__(self, runner, around):
-        self.runner, self.around, self.depth = runner, around, 0
-        chosen = runner.prefill_attention   # chosen when the runner was built (attention or attention_tc)
-        self.attention_module, self.attention_name = sys.modules[chosen.__module__], chosen.__name__
+    def __init__(self, around):
+        self.around, self.depth = around, 0
 
     def _wrap(self, function, label):
         def run(*args, **kwargs):
@@ -77,13 +75,11 @@ class Wrapped:
         self.originals = [(module, name, getattr(module, name)) for module, name, _ in LAUNCHERS]
         for (module, name, label), (_, _, function) in zip(LAUNCHERS, self.originals):
             setattr(module, name, self._wrap(function, label))
-        self.runner.prefill_attention = getattr(self.attention_module, self.attention_name)
         return self
 
     def __exit__(self, *exc):
         for module, name, function in self.originals:
             setattr(module, name, function)
-        self.runner.prefill_attention = getattr(self.attention_module, self.attention_name)
 
 
 def replay_ms(record, stream, reps: int) -> float:
@@ -135,7 +131,7 @@ def graph_breakdown(llm, prompt, reps: int) -> tuple[float, dict[str, tuple[floa
 
     runner._forward = keep
     try:
-        with Wrapped(runner, around):
+        with Wrapped(around):
             llm.generate([prompt], [greedy(1)], use_tqdm=False)
     finally:
         del runner._forward
@@ -158,7 +154,7 @@ def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[flo
             seconds[label] += time.perf_counter() - start
             calls[label] += 1
 
-    with Wrapped(llm.engine.runner, around):
+    with Wrapped(around):
         start = time.perf_counter()
         for _ in range(runs):
             llm.generate([prompt], [greedy(1)], use_tqdm=False)

@@ -8,6 +8,8 @@ negative ones. The caches come in every KV format the kernel reads (bf16, fp32, 
 reference/kv_format.py).
 """
 
+from functools import partial
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -148,6 +150,17 @@ def devices(*arrays):
     return [to_device(a) for a in arrays]
 
 
+# A configuration of the fast decode kernel valid at every shape of these tests (its launcher takes one).
+FAST_CONFIG = dict(lanes_per_key=8, warps=2)
+
+
+def prefill_tc(q, *args, keys_per_tile=None, **kwargs):
+    """attention_tc.prefill_attention_tc (same arguments) in attention_policy.prefill_tc_config's configuration
+    for q's head_dim; keys_per_tile: another tile size."""
+    warps, keys = attention_policy.prefill_tc_config(q.shape[2])
+    attention_tc.prefill_attention_tc(q, *args, warps=warps, keys_per_tile=keys_per_tile or keys, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # decode: the first PagedAttention (paged_attention_walk: one warp per (sequence, head), one key at a time)
 
@@ -193,8 +206,9 @@ def test_paged_attention_v1_matches_reference(seed, contexts, hg, d, block_size,
 fast_heads = st.sampled_from(pick([(1, 1), (1, 3), (1, 4), (2, 2), (1, 5)],
                                   [(8, 4), (8, 1), (8, 3), (2, 4), (1, 3), (2, 7), (1, 6)]))
 fast_head_dims = st.sampled_from(pick([8, 16, 24], [64, 64, 128, 8, 40]))
-# "none": no workspace (one pass); "policy": a workspace and attention_policy.decode_partitions' split; n: n KV
-# blocks per partition (the simulator's contexts are shorter than the policy's shortest partition).
+# "none": no workspace (one pass); "policy": a workspace and attention_policy.decode_partitions' split (at the
+# policy's warps); n: n KV blocks per partition (the simulator's contexts are shorter than the policy's shortest
+# partition).
 fast_splits = st.sampled_from(pick(["none", "policy", 1, 2, 3], ["none", "policy", "policy", 1, 4, 33]))
 
 
@@ -207,8 +221,8 @@ def decode_reference(q, k_cache, v_cache, tables, lens, scale, fmt=("bf16", 1.0,
     return want
 
 
-# warps per block: the policy's, one, or more than the policy gives ("most": what the shared memory holds, at
-# most MAX_FAST_WARPS; in the simulator at most 4, every thread being a Python thread)
+# warps per block: the policy's (None), one, or more than the policy gives ("most": what the shared memory holds,
+# at most MAX_FAST_WARPS; in the simulator at most 4, every thread being a Python thread)
 fast_warp_counts = st.sampled_from(pick([None, 1, 3], [None, 8, "most"]))
 
 
@@ -230,15 +244,19 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
                                                 fmt):
     q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind, fmt)
     hkv, group = hg
-    if warps is not None:
+    scale = 1 / np.sqrt(d)
+    s, hq = q.shape[:2]
+    policy_warps = attention_policy.decode_warps_policy(s, hq, hkv, d, lanes)
+    if warps is None:
+        warps = policy_warps
+    else:
         most = paged_attention_gqa.fast_warps(d, group, lanes,
                                               most=pick(4, paged_attention_gqa.FAST_WARPS_BY_FORMAT[fmt[0]]))
         warps = most if warps == "most" else min(warps, most)
-    scale = 1 / np.sqrt(d)
-    s, hq = q.shape[:2]
     workspace, partition_blocks = None, None
     if split == "policy":
         size = attention_policy.decode_workspace_size(s, hq, hkv, d, tables.shape[1])
+        partition_blocks = attention_policy.decode_partitions(s, hq, hkv, tables.shape[1], policy_warps)[1]
     elif split != "none":
         partition_blocks = split
         size = s * hq * -(-tables.shape[1] // split) * (d + 2)
@@ -259,7 +277,7 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
 def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, split, fmt):
     """A decode layer's QKV and attention as the engine runs them (one CUDA graph on the GPU, so that under
     PDL the attention kernel's first loads overlap the gemv): gemv.gemv_rope writes each sequence's newest
-    key, at position ctx - 1, into a slot that holds NaN until then, and paged_attention must use the new
+    key, at position ctx - 1, into a slot that holds NaN until then, and decode attention must use the new
     key. Its loads before the wait skip that key (it is in their first round for these short contexts) and
     fetch it after; a kernel that read it early would return NaN. split: the split kernel, a partition per
     KV block. fmt: the KV format (the gemv writes it, the attention reads it)."""
@@ -281,12 +299,17 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
     q, out = device_empty((len(lens), hq, d), np.float32), device_empty((len(lens), hq, d), np.float32)
     workspace = to_device(np.full(len(lens) * hq * tables.shape[1] * (d + 2), np.nan, np.float32)) if split else None
     scale = 1 / np.sqrt(d)
+    lanes, warps, _ = attention_policy.decode_config(len(lens), hq, hkv, d, tables.shape[1])
 
     def layer(stream):
         gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul.gemv_config(len(lens), *w.shape),
                        **scales)
-        paged_attention_gqa.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
-                                            workspace=workspace, partition_blocks=1 if split else None, **scales)
+        if split:
+            paged_attention_gqa.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,
+                                                lanes_per_key=lanes, warps=warps, partition_blocks=1,
+                                                workspace=workspace, **scales)
+        else:
+            attention_policy.decode_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream, **scales)
 
     stream = cuda.stream()
     layer(stream)   # in the simulator the test; on the GPU it compiles what the capture needs
@@ -448,8 +471,9 @@ def test_decode_padding_slots_give_zeros():
         lambda *args: paged_attention.paged_attention_walk(*args),
         lambda *args: paged_attention.paged_attention_v1(*args),
         lambda *args: paged_attention.paged_attention_split(*args, *work, 4),
-        lambda *args: paged_attention_gqa.paged_attention(*args),
-        lambda *args: paged_attention_gqa.paged_attention(*args, workspace=fast_work, partition_blocks=1),
+        lambda *args: attention_policy.decode_attention(*args),
+        lambda *args: paged_attention_gqa.paged_attention(*args, **FAST_CONFIG, partition_blocks=1,
+                                                          workspace=fast_work),
     ]
     for launcher in launchers:
         out = to_device(np.full(q.shape, np.nan, np.float32))
@@ -521,15 +545,12 @@ tc_head_dims = st.sampled_from(pick([16, 32], [64, 64, 128, 16, 32]))
          fmt=KV_FORMATS[0])
 @example(seed=2, chunks=[(5, 20)], hg=(1, 3), d=16, block_size=3, kind="normal", keys=None, fmt=KV_FORMATS[4])
 def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size, kind, keys, fmt):
-    """keys: the launcher's keys_per_tile override (None: tc_config's); 128-dim heads keep their own (at 32
-    keys their accumulators spill registers; at 64 the tiles pass 48 KB of shared memory). fp8 caches are
-    staged as bf16 (exact); fp32 ones are refused (test_kv_formats_the_simple_kernels_refuse)."""
+    """keys: keys per K/V tile (None: prefill_tc_config's); 128-dim heads keep their own (at 32 keys their
+    accumulators spill registers; at 64 the tiles pass 48 KB of shared memory). fp8 caches are staged as bf16
+    (exact); fp32 ones are refused (test_kv_formats_the_simple_kernels_refuse)."""
     keys = None if d > 64 else keys
-
-    def launcher(*args, **scales):
-        attention_tc.prefill_attention_tc(*args, keys_per_tile=keys, **scales)
-
-    run_prefill(launcher, np.random.default_rng(seed), chunks, *hg, d, block_size, kind, fmt)
+    run_prefill(partial(prefill_tc, keys_per_tile=keys), np.random.default_rng(seed), chunks, *hg, d, block_size,
+                kind, fmt)
 
 
 @pytest.mark.parametrize("chunks", pick([[(5, 0)], [(3, 3), (4, 0)], [(2, 9)]],
@@ -538,7 +559,7 @@ def test_prefill_attention_tc_benchmark_shapes(chunks):
     """The benchmark's layouts (one 1,024-token prompt, 4 x 256, a 512 chunk after a 512 cached prefix) at the
     model's shapes (32 / 8 heads, head_dim 64) on the GPU; the same layouts shrunk in the simulator."""
     hkv, group, d = pick((1, 4, 16), (8, 4, 64))
-    run_prefill(attention_tc.prefill_attention_tc, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
+    run_prefill(prefill_tc, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
 
 
 @pytest.mark.skipif(not SIM, reason="a GPU device function cannot be called from the host; kernels use it there")
@@ -550,7 +571,7 @@ def test_transpose_bf16x4():
     assert np.array(columns, np.uint64).view(np.uint16).reshape(4, 4).tolist() == m.T.tolist()
 
 
-@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention_tc.prefill_attention_tc])
+@pytest.mark.parametrize("launcher", [attention.prefill_attention, prefill_tc, attention_policy.prefill_attention])
 def test_prefill_one_query_per_sequence_equals_decode(launcher):
     """q_len 1 at the end of each context is exactly a decode step."""
     rng = np.random.default_rng(1)
@@ -618,7 +639,7 @@ def _decode_args(**changes):
     (dict(out=np.zeros((2, 4, 8), np.float32)), "out: expected"),
 ])
 def test_decode_launcher_errors(changes, message):
-    for launcher in (paged_attention_gqa.paged_attention, paged_attention.paged_attention_v1,
+    for launcher in (partial(paged_attention_gqa.paged_attention, **FAST_CONFIG), paged_attention.paged_attention_v1,
                      paged_attention.paged_attention_walk):
         with pytest.raises(ValueError, match=message):
             launcher(**_decode_args(**changes))
@@ -637,13 +658,13 @@ def test_decode_launcher_errors(changes, message):
 def test_fast_decode_launcher_errors(options, message):
     options = {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in options.items()}
     with pytest.raises(ValueError, match=message):
-        paged_attention_gqa.paged_attention(**_decode_args(), **options)
+        paged_attention_gqa.paged_attention(**_decode_args(), **{**FAST_CONFIG, **options})
 
 
 def test_non_contiguous_cache_is_refused():
     cache = to_device(np.zeros((3, 4, 2, 32), np.uint16))[:, :, :, :16]
     with pytest.raises(ValueError, match="C-contiguous"):
-        paged_attention_gqa.paged_attention(**_decode_args(k_cache=cache, v_cache=cache))
+        paged_attention_gqa.paged_attention(**_decode_args(k_cache=cache, v_cache=cache), **FAST_CONFIG)
 
 
 @pytest.mark.parametrize("shapes, partition_size, message", [
@@ -665,8 +686,8 @@ def test_split_launcher_errors(shapes, partition_size, message):
                                                    device_empty((2, 4, 16), np.float32))
 
 
-@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive,
-                                      attention_tc.prefill_attention_tc])
+@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive, prefill_tc,
+                                      attention_policy.prefill_attention])
 @pytest.mark.parametrize("changes, message", [
     (dict(cu_seqlens_q=np.zeros(2, np.int32)), "cu_seqlens_q"),
     (dict(cu_seqlens_q=np.zeros(3, np.int64)), "cu_seqlens_q"),
@@ -680,15 +701,18 @@ def test_prefill_launcher_errors(launcher, changes, message):
         launcher(**_prefill_args(**changes))
 
 
-@pytest.mark.parametrize("d, keys, message", [(24, None, "head_dim must be one of"),
-                                              (8, None, "head_dim must be one of"),
-                                              (16, 24, "keys_per_tile must be a multiple of 16")])
-def test_prefill_tc_launcher_errors(d, keys, message):
-    """What the tensor-core kernel refuses that prefill_attention takes (callers fall back on the ValueError)."""
+@pytest.mark.parametrize("d, warps, keys, message", [(24, 2, 16, "head_dim must be one of"),
+                                                     (8, 2, 16, "head_dim must be one of"),
+                                                     (16, 2, 24, "keys_per_tile must be a multiple of 16"),
+                                                     (16, 2, 0, "keys_per_tile must be a multiple of 16"),
+                                                     (16, 0, 16, "warps must be at least 1")])
+def test_prefill_tc_launcher_errors(d, warps, keys, message):
+    """What the tensor-core kernel refuses that prefill_attention takes (callers fall back on the ValueError),
+    and configurations it cannot run."""
     changes = dict(q=np.zeros((5, 4, d), np.float32), out=np.zeros((5, 4, d), np.float32),
                    k_cache=np.zeros((3, 4, 2, d), np.uint16), v_cache=np.zeros((3, 4, 2, d), np.uint16))
     with pytest.raises(ValueError, match=message):
-        attention_tc.prefill_attention_tc(**_prefill_args(**changes), keys_per_tile=keys)
+        attention_tc.prefill_attention_tc(**_prefill_args(**changes), warps=warps, keys_per_tile=keys)
 
 
 def test_kv_formats_the_simple_kernels_refuse():
@@ -704,13 +728,13 @@ def test_kv_formats_the_simple_kernels_refuse():
             paged_attention.paged_attention_split(**_decode_args(**caches), partial_out=work[0],
                                                   partial_max=work[1], partial_sum=work[2], partition_size=4)
     with pytest.raises(ValueError, match="prefill_attention_tc reads bf16 and fp8 caches, got fp32"):
-        attention_tc.prefill_attention_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
-                                                          v_cache=np.zeros((3, 4, 2, 16), np.float32)))
+        prefill_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
+                                   v_cache=np.zeros((3, 4, 2, 16), np.float32)))
     fp32 = dict(k_cache=np.zeros((3, 4, 2, 16), np.float32), v_cache=np.zeros((3, 4, 2, 16), np.float32))
     with pytest.raises(ValueError, match="warps must be 1 to 8 "):   # the fp32 kernels' register bound
-        paged_attention_gqa.paged_attention(**_decode_args(**fp32), warps=9)
+        paged_attention_gqa.paged_attention(**_decode_args(**fp32), lanes_per_key=8, warps=9)
     with pytest.raises(ValueError, match="a bf16 cache takes 1.0"):
-        paged_attention_gqa.paged_attention(**_decode_args(), k_scale=0.5)
+        paged_attention_gqa.paged_attention(**_decode_args(), **FAST_CONFIG, k_scale=0.5)
     with pytest.raises(ValueError, match="positive and finite"):
         attention.prefill_attention(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.uint8),
                                                     v_cache=np.zeros((3, 4, 2, 16), np.uint8)), v_scale=-1.0)

@@ -8,10 +8,12 @@ Chapter 8: decode at batch 64 x 4,096 cached tokens (bandwidth-bound: bytes_move
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, attention_policy, attention_tc, paged_attention, paged_attention_gqa
+from cuda_kernels import attention, attention_policy, attention_tc, paged_attention
 from reference import paged_attention as ref
 from tools.course_ladders.common import FMA_PEAK_TFLOPS, MMA_PEAK_TFLOPS, Step
 from tools.kernel_benchmarks.attention import _atol, _paged_cache
@@ -68,12 +70,13 @@ def prefill_steps(real: bool) -> list[Step]:
             launcher(dq, dk, dv, dt, dcu, dl, scale, out, max(contexts), stream)
         return run
 
+    warps, keys = attention_policy.prefill_tc_config(d)
     rungs = [("7a prefill_attention_naive", "whole rows of scores in shared memory, three passes",
               attention.prefill_attention_naive, FMA_PEAK_TFLOPS),
              ("7b prefill_attention (flash)", "one pass, online softmax; K/V tiles shared by a block's rows",
               attention.prefill_attention, FMA_PEAK_TFLOPS),
              ("7c prefill_attention_tc", "both products on mma.sync; S and P stay in registers",
-              attention_tc.prefill_attention_tc, MMA_PEAK_TFLOPS / 3)]
+              partial(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys), MMA_PEAK_TFLOPS / 3)]
     return [Step(version, idea, _case(version, runner(launcher), out, want, atol, flops=flops), peak)
             for version, idea, launcher, peak in rungs]
 
@@ -103,7 +106,7 @@ def decode_steps(real: bool) -> list[Step]:
         (f"8c split-K ({partition}-key partitions)", "partitions of the context in parallel, then a merge",
          lambda stream: paged_attention.paged_attention_split(*args, *work, partition, stream)),
         ("8d paged_attention (the engine's)", "a block per KV head serves its G query heads; K/V in registers",
-         lambda stream: paged_attention_gqa.paged_attention(*args, stream, workspace=workspace)),
+         lambda stream: attention_policy.decode_attention(*args, stream, workspace=workspace)),
     ]
     return [Step(version, idea, _case(version, run, out, want, atol, bytes_moved=kv_bytes))
             for version, idea, run in rungs]

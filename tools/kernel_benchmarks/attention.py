@@ -70,10 +70,10 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
     def run_split(stream):
         paged_attention.paged_attention_split(dq, dk, dv, dt, dl, SCALE, out, *work, partition_size, stream)
 
-    def run_fast(lanes):
+    def run_fast(lanes, warps, blocks):
         def run(stream):
-            paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, workspace=workspace,
-                                                lanes_per_key=lanes)
+            paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, lanes_per_key=lanes,
+                                                warps=warps, partition_blocks=blocks, workspace=workspace)
         return run
 
     def check(run):
@@ -87,13 +87,14 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
         return check_one
 
     shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {block}"
-    def policy(lanes):
+    cases = []
+    for lanes in (8, 4):   # the policy's warps and split at each lanes per key
         warps = attention_policy.decode_warps_policy(batch, HQ, HKV, D, lanes)
         parts, blocks = attention_policy.decode_partitions(batch, HQ, HKV, tables.shape[1], warps)
-        return f"{warps} warps, " + (f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split")
-
-    cases = [Case("attention", f"paged_attention (fast, {lanes} lanes/key, {policy(lanes)}) {shape}",
-                  run_fast(lanes), check(run_fast(lanes)), bytes_moved=kv_bytes) for lanes in (8, 4)]
+        policy = f"{warps} warps, " + (f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split")
+        run = run_fast(lanes, warps, blocks)
+        cases.append(Case("attention", f"paged_attention (fast, {lanes} lanes/key, {policy}) {shape}", run,
+                          check(run), bytes_moved=kv_bytes))
     if fast_only:
         return cases
     work = [cuda.device_array(shape, np.float32)
@@ -105,11 +106,12 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
 
 
 def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache_dtype="bf16") -> Case:
-    """Decode attention as the engine runs it (tinyvllm/cuda_runner.py): paged_attention with a workspace and
-    no overrides, so its own lanes, warps and split policies, for `batch` sequences of `context` cached tokens
-    with heads = (Hq, Hkv, d) and KV blocks of `block` tokens; tables as wide as the context (for 4,096
-    tokens in blocks of 16, also the width bucket of the engine's decode graph). bytes_moved: the K and V read,
-    in the cache's format (kv_cache_dtype: bf16, fp32 or fp8, whose scales are the engine's, 1.0)."""
+    """Decode attention as the engine runs it (tinyvllm/cuda_runner.py): attention_policy.decode_attention
+    with a workspace, so paged_attention in the policy's lanes, warps and split, for `batch` sequences of
+    `context` cached tokens with heads = (Hq, Hkv, d) and KV blocks of `block` tokens; tables as wide as the
+    context (for 4,096 tokens in blocks of 16, also the width bucket of the engine's decode graph).
+    bytes_moved: the K and V read, in the cache's format (kv_cache_dtype: bf16, fp32 or fp8, whose scales are
+    the engine's, 1.0)."""
     hq, hkv, d = heads
     rng = np.random.default_rng(0)
     contexts = [context] * batch
@@ -126,7 +128,7 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
                                   np.float32)
 
     def launch(stream):
-        paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, scale, out, stream, workspace=workspace)
+        attention_policy.decode_attention(dq, dk, dv, dt, dl, scale, out, stream, workspace=workspace)
 
     def check():
         out.copy_to_device(np.full(out.shape, np.nan, np.float32))
@@ -135,10 +137,9 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
         atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts, scale)
         np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
 
-    # the launcher's policy, spelled out (paged_attention computes the same from the same shapes)
-    lanes = attention_policy.decode_lanes_policy(batch, hq, hkv, d, width)
-    warps = attention_policy.decode_warps_policy(batch, hq, hkv, d, lanes)
-    parts, blocks = attention_policy.decode_partitions(batch, hq, hkv, width, warps)
+    # the configuration decode_attention picks from the same shapes
+    lanes, warps, blocks = attention_policy.decode_config(batch, hq, hkv, d, width)
+    parts = -(-width // blocks)
     split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
     name = "PagedAttention decode" + ("" if kv_cache_dtype == "bf16" else f" ({kv_cache_dtype} KV cache)")
     return Case("attention", name, launch, check, bytes_moved=2 * batch * context * hkv * d * itemsize,
@@ -185,13 +186,13 @@ def _prefill_cases(rng, chunks, naive=False):
     else:
         layout = " + ".join(f"{n} tokens after {cached} cached" for n, cached in chunks)
     shape = f"{layout}, {HQ}/{HKV} heads, d {D}"
-    warps, keys = attention_tc.tc_config(D)
+    warps, keys = attention_policy.prefill_tc_config(D)
     variants = [(f"prefill_attention_tc ({warps} warps, {keys}-key tiles) {shape}",
-                 runner(attention_tc.prefill_attention_tc)),
+                 runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys)),
                 (f"prefill_attention (flash, fp32 SIMT) {shape}", runner(attention.prefill_attention))]
     if len(chunks) == 1:
         variants.insert(1, (f"prefill_attention_tc ({warps} warps, 32-key tiles) {shape}",
-                            runner(attention_tc.prefill_attention_tc, keys_per_tile=32)))
+                            runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=32)))
     if naive:
         variants.append((f"prefill_attention_naive {shape}", runner(attention.prefill_attention_naive)))
     return [Case("attention", name, run, check(run), flops=flops) for name, run in variants]
