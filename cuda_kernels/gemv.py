@@ -25,14 +25,10 @@ Thread mappings:
   the bf16 at k = i, i + 32, ... are read one at a time instead. The first pass's weight loads are issued
   before pdl.grid_wait (weights are never written), so under programmatic dependent launch they are in
   flight while the kernel that produces x finishes.
-  Gated (``gemv(..., gated=True)``, the engine's gate/up at decode): W = [gate; up] (2F, K) and a warp's R
-  rows are R/2 gate rows j.. and the R/2 up rows F + j.. of the same features, so the epilogue writes
-  silu(gate) * up for features j.. directly (out (M, F)): no (M, 2F) intermediate, no SiLU kernel.
-  RoPE (``gemv_rope``, the engine's QKV projection at decode): the same pairing on the fused QKV weight, a
-  warp's R/2 pairs being rows i and i + d/2 of a head, so the epilogue rotates each pair and writes what
-  rope.rope_kv_write would (rotated q; the rotated K and the V into the cache slots, in the cache's format:
-  kv_format.codec's encode, a compile-time choice of the kernel factory): no qkv intermediate, no RoPE
-  kernel.
+  Epilogues (gemv_epilogues.py): gated (``gemv(..., gated=True)``, the engine's gate/up at decode) and RoPE
+  + KV write (``gemv_rope``, its QKV projection) pair a warp's R rows as R/2 pairs (gate row j with up row
+  F + j; rows i and i + d/2 of a head) and write silu(gate) * up, or what rope.rope_kv_write would, straight
+  from each pair's totals: no (M, 2F) or qkv intermediate, no SiLU or RoPE kernel.
 - ``gemv`` with a ``GemvStaged(rows_per_block, warps)`` config (the staged gemv): grid = (ceil(N / R),
   ceil(M / m_tile)), block = 32 * warps threads, R = rows_per_block; block (bx, by) owns weight rows
   bx * R + r (paired: R / 2 pairs, as above) and activation rows by * m_tile + mm. Before the PDL wait the
@@ -71,14 +67,14 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, kv_format, pdl, rope
+from cuda_kernels import kv_format, pdl, rope
 from cuda_kernels.async_copy import cp_async_16, cp_async_commit, cp_async_wait
 from numba import cuda, float32, uint32, uint64
 
+from cuda_kernels.gemv_epilogues import epilogue_rows
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, launch, view
 from cuda_kernels.matmul_args import check_args
-from cuda_kernels.primitives import (WARP, bf16_to_f32, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair,
-                                     warp_sum)
+from cuda_kernels.primitives import WARP, bf16_to_f32, f32_from_bits, round_bf16, round_bf16_pair, warp_sum
 
 # gemv compiles one kernel per m_tile (accumulators are registers, so their count must be a constant).
 _GEMV_M_TILES = (1, 2, 4, 8)
@@ -170,89 +166,6 @@ def _gemv_warp_kernel(bf16_inputs: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def epilogue_rows(rows: int, pairing: str, head_dim: int, fmt: str = "bf16"):
-    """(weight_row, store_inputs, store): the device functions by which a gemv kernel (or gemv_tc's) maps a
-    group of `rows` weight rows to the weight and writes their results, for a pairing (see _gemv_kernel;
-    "gated_planes" is "gated" storing bf16(silu(a) * b), the bf16 plane of the result, into a uint16 out).
-
-    weight_row(n0, r, N): the weight row of row r of the group starting at n0 (a multiple of rows), clamped
-    to a valid one (the caller skips the store for it). store(dst, m, j, a, b, pre): write output j of
-    activation row m from its row total a (paired: the totals a and b of pair j); dst holds the arrays
-    written, pre = store_inputs(dst, m, j) what else the store reads (rope: cos, sin and the slot). Those
-    are step inputs and constants, never written by a kernel of the step, so a kernel may read them before
-    its PDL wait (cuda_kernels/pdl.py, rule 2) and keep the dependent loads out of its tail."""
-    R = rows
-    RH = R // 2                             # paired: pairs per group
-    GATED, ROPE = pairing in ("gated", "gated_planes"), pairing == "rope"
-    PAIRED = GATED or ROPE
-    HALF = head_dim // 2
-    encode = kv_format.codec(fmt)[0]   # the KV cache's format (rope)
-
-    @cuda.jit(device=True, inline=True)
-    def weight_row(n0, r, N):
-        """n0 + r, or paired, row r % (R/2) of pair n0 / 2 + r % (R/2) (its first row for r < R/2, else its
-        second): gated, gate row p or up row F + p (N = 2F); rope, row i or i + d/2 of head h for pair
-        p = h d/2 + i."""
-        if not PAIRED:
-            return min(n0 + r, N - 1)
-        pair = min(n0 // 2 + r % RH, N // 2 - 1)
-        if GATED:
-            return pair + (r // RH) * (N // 2)
-        return (pair // HALF) * (2 * HALF) + pair % HALF + (r // RH) * HALF
-
-    # One store (and its inputs) per epilogue, picked below.
-    @cuda.jit(device=True, inline=True)
-    def no_inputs(dst, m, j):
-        return 0
-
-    @cuda.jit(device=True, inline=True)
-    def store_row(dst, m, j, a, b, pre):
-        dst[0][m, j] = a
-
-    @cuda.jit(device=True, inline=True)
-    def store_gated(dst, m, j, a, b, pre):
-        dst[0][m, j] = activation.silu(a) * b
-
-    @cuda.jit(device=True, inline=True)
-    def store_gated_planes(dst, m, j, a, b, pre):
-        dst[0][m, j] = f32_to_bf16(activation.silu(a) * b)
-
-    @cuda.jit(device=True, inline=True)
-    def rope_inputs(dst, m, j):
-        """(cos, sin) of pair j at row m's position, and row m's cache slot."""
-        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale = dst
-        pos, i = positions[m], j % HALF
-        return cos[pos, i], sin[pos, i], slot_mapping[m]
-
-    @cuda.jit(device=True, inline=True)
-    def store_rope(dst, m, j, a, b, pre):
-        q_out, positions, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale = dst
-        c, s, slot = pre
-        head, i = j // HALF, j % HALF
-        num_heads, num_kv_heads = q_out.shape[1], k_cache.shape[2]
-        if head < num_heads + num_kv_heads:
-            # rope_kv_write's rotation, the same expressions
-            a, b = a * c - b * s, b * c + a * s
-        if head < num_heads:
-            q_out[m, head, i] = a
-            q_out[m, head, i + HALF] = b
-        elif slot >= 0:
-            block, offset = slot // k_cache.shape[1], slot % k_cache.shape[1]
-            if head < num_heads + num_kv_heads:
-                k_cache[block, offset, head - num_heads, i] = encode(a, k_scale)
-                k_cache[block, offset, head - num_heads, i + HALF] = encode(b, k_scale)
-            else:
-                v_cache[block, offset, head - num_heads - num_kv_heads, i] = encode(a, v_scale)
-                v_cache[block, offset, head - num_heads - num_kv_heads, i + HALF] = encode(b, v_scale)
-
-    if ROPE:
-        return weight_row, rope_inputs, store_rope
-    if pairing == "gated_planes":
-        return weight_row, no_inputs, store_gated_planes
-    return weight_row, no_inputs, store_gated if GATED else store_row
-
-
-@functools.lru_cache(maxsize=None)
 def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: int, k_split: int,
                  pipelined: bool, bf16_inputs: bool, pairing: str = "", head_dim: int = 0, fmt: str = "bf16"):
     """The gemv kernel for m_tile activation rows per block, rows_per_warp weight rows per warp, `unroll`
@@ -260,12 +173,9 @@ def _gemv_kernel(m_tile: int, warps_per_block: int, rows_per_warp: int, unroll: 
     the loads of a lane's next pass are issued before its current one is consumed; with bf16_inputs every x
     is rounded to the nearest bf16 as it is read.
 
-    pairing: "" (plain rows n0.., out (M, N)), or an epilogue on pairs of rows, a warp's first R/2 rows
-    pairing with its last R/2 (R even). "gated": W is [gate; up] (2F rows); the pair of feature j is gate
-    row j and up row F + j, and the kernel writes silu(gate) * up (out (M, F)). "rope": W is the fused QKV
-    weight, heads of head_dim rows; the pair of (head, i) is rows i and i + head_dim/2 of the head, the two
-    halves RoPE rotates together, and the kernel (gemv_rope_kernel) writes what rope.rope_kv_write would
-    from the product: rotated q, and the rotated K and the V of each token into its cache slot."""
+    pairing: the epilogue (gemv_epilogues.py): "" plain rows n0.. (out (M, N)); "gated" or "rope" on pairs of
+    rows, a warp's first R/2 rows with its last R/2 (R even), the rope one in a kernel (gemv_rope_kernel) that
+    takes rope.rope_kv_write's outputs (head_dim and the cache's format fmt)."""
     MT = m_tile
     R = rows_per_warp
     RH = R // 2                             # paired: pairs per warp

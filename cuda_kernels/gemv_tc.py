@@ -66,7 +66,7 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels import kv_format, pdl, rope
-from cuda_kernels.gemv import epilogue_rows
+from cuda_kernels.gemv_epilogues import epilogue_rows
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import halves, mma_bf16_m16n8k16
 from cuda_kernels.primitives import WARP

@@ -1,6 +1,6 @@
 """The matmul family against reference/matmul.py: cuda_kernels/gemm_simt.py (naive, gemm), gemv.py (gemv_warp,
-gemv and its epilogues, the staged gemv), gemm_tc.py, gemm_pipelined.py and the dispatch and policies of
-matmul.py; and the primitives of cuda_kernels/mma.py and cuda_kernels/async_copy.py on their own.
+gemv and its epilogues (gemv_epilogues.py), the staged gemv), gemm_tc.py, gemm_pipelined.py and the dispatch and
+policies of matmul.py; and the primitives of cuda_kernels/mma.py and cuda_kernels/async_copy.py on their own.
 
 Every version is checked the same way: random x and bf16 W of hypothesis-chosen shapes and magnitudes, the
 output compared elementwise with a tolerance derived from the numerics (fp32 sums in another order than
