@@ -109,18 +109,24 @@ def test_bucketed_decode_equals_plain_full_attention_in_float32(model_dir, monke
     assert peer.generate(batch, NEW_TOKENS) == plain_tokens(peer.model, batch, NEW_TOKENS, torch.float32)
 
 
-def test_compiles_do_not_grow_with_the_buckets(tiny_model_dir, monkeypatch):
-    """The bucket is a dynamic size: one compiled decode graph serves all five buckets of a generation, one
-    prefill graph its prompts, all compiled in the warm-up; nothing compiles while timed runs."""
+def test_compiles_do_not_grow_with_the_buckets_or_the_batches(tiny_model_dir, monkeypatch):
+    """The bucket, the batch, the prompt length and the cache are dynamic sizes: one compiled decode graph
+    serves all five buckets of a generation and every batch above 1, one prefill graph their prompts (batch 1
+    has a graph of each of its own), all compiled in the warm-up; nothing compiles while timed."""
     monkeypatch.setattr(torch_peer, "_compile", aot_eager)
     monkeypatch.setattr(torch_peer, "CPU_MODES", ("torch.compile", "eager"))
     monkeypatch.setattr(torch_peer, "BUCKET", 8)
     torch._dynamo.reset()
     peer = torch_peer.TorchPeer(tiny_model_dir, device="cpu")
-    r = peer.decode_throughput(prompts_for(5)[0], 30, runs=2)   # 7-token prompts: 8 to 36 positions
+    r = peer.decode_throughput(prompts_for(5)[0], 30, runs=2)   # three 7-token prompts: 8 to 36 positions
     assert (r["mode"], r["buckets"], r["compiles_warmup"], r["compiles_timed"]) == ("torch.compile", 5, 2, 0)
     assert r["eager_agreement"] == f"{3 * torch_peer.CHECK_STEPS} of {3 * torch_peer.CHECK_STEPS} decode tokens " \
                                    "equal to the eager step's"
+    prompts = np.random.default_rng(6).integers(0, 256, (5, 12)).tolist()
+    r = peer.decode_throughput(prompts, 40, runs=1)   # another batch, prompt length, cache and buckets
+    assert (r["buckets"], r["compiles_warmup"], r["compiles_timed"]) == (6, 0, 0)
+    r = peer.decode_throughput(prompts[:1], 30, runs=1)
+    assert (r["compiles_warmup"], r["compiles_timed"]) == (2, 0)
 
 
 def aot_eager(fn, mode=None):
@@ -137,8 +143,8 @@ def test_compiled_step_traces_whole_and_gives_the_eager_tokens(tiny_llama3_model
     n = 3 * torch_peer.CHECK_STEPS
     ids = torch.tensor(batch)
     assert peer.eager_agreement(ids, "torch.compile") == f"{n} of {n} decode tokens equal to the eager step's"
-    peer.functions["at zero"] = (torch_peer.prefill, lambda model, x, pos, keys: torch_peer.forward(
-        model, x, pos * 0, keys))
+    peer.functions["at zero"] = (torch_peer.prefill, lambda model, cache, x, pos, keys: torch_peer.forward(
+        model, cache, x, pos * 0, keys))
     assert not peer.eager_agreement(ids, "at zero").startswith(f"{n} of")
     # where a mode parts from eager, a float32 reference's logit gap between the two choices
     reference = torch_peer.TorchPeer(tiny_llama3_model_dir, device="cpu", dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""A plain Llama in PyTorch with a static KV cache and a compiled decode step: the strong peer of tools/bench.py.
+"""A plain Llama in PyTorch with a static KV cache, prefill and decode compiled: the strong peer of tools/bench.py.
 
     python3 tools/torch_peer.py --model DIR [--batch 1,64,256] [--prompt 128] [--new 256] [--prefill 1024]
 
@@ -11,22 +11,28 @@ ModelConfig, llama3 scaling included), so both run the same random weights in th
 - Weights: Q, K and V fused into one matrix, gate and up into another (one GEMM each, as vLLM does); a tied
   LM head is the embedding itself.
 - KV cache: per layer k and v [batch, kv_heads, max_len, head_dim] in bf16 (rounded to nearest even, as
-  tinyvllm's cache is), written in place at the step's positions (`cache[:, :, pos] = k`, which Inductor
-  keeps in place; a slice of one tensor stacking all layers was copied whole at every write).
+  tinyvllm's cache is), an argument of the compiled functions, written in place at the step's positions
+  (`cache[:, :, pos] = k`, which Inductor keeps in place; a slice of one tensor stacking all layers was
+  copied whole at every write).
 - Prefill: the whole prompt at once from position 0; every sequence of a batch has the same prompt length (a
   static batch of equal prompts), so positions are shared. Causal SDPA over the prompt's own keys, read back
   through the cache's bf16 (what tinyvllm's attention reads), GQA by SDPA itself (enable_gqa: the flash
   kernel); the LM head on the last token only.
 - Decode: one token per sequence at a position held in a device tensor. Attention reads only the filled part
-  of the cache, rounded up to a bucket of BUCKET positions: the bucket is the length of a `key_positions`
-  input (arange(bucket)) whose size is marked dynamic, so one compiled graph serves every bucket and
-  reduce-overhead records one CUDA graph per bucket (all in the warm-up: a full generation before timing).
-  The positions past the sequence's length (at most BUCKET - 1) are masked; each KV head's group of query
-  heads are the query rows (GQA without copying K and V, which a masked SDPA, the memory-efficient kernel,
-  needs: it has no GQA of its own).
+  of the cache, rounded up to a bucket of BUCKET positions (the bucket is the length of a `key_positions`
+  input, arange(bucket)); the positions past the sequence's length (at most BUCKET - 1) are masked. Each KV
+  head's group of query heads are the query rows (GQA without copying K and V, which a masked SDPA, the
+  memory-efficient kernel, needs: it has no GQA of its own).
+- Compiles: the bucket, the batch, the prompt length and the cache's sizes are dynamic to torch.compile
+  (dynamic=False otherwise), so one graph serves all decode steps and one all prefills (batch 1 gets its
+  own of each); reduce-overhead records a CUDA graph per shape (batch, bucket; batch, prompt length). The
+  warm-up is one whole generation, so every graph is compiled and recorded before timing (each run reports
+  compiles_warmup and compiles_timed).
 - Numerics: compute in `dtype`, bf16 on the GPU as HF transformers runs a bf16 checkpoint (residual stream,
   RoPE and logits in bf16; RMSNorm in fp32, cast back); float32 in the correctness tests, which then equal
-  tinyvllm's CPU reference up to summation order.
+  tinyvllm's CPU reference up to summation order (a difference that can flip a K or V value's bf16 rounding
+  in the cache, and so a near-tie: compiled and eager float32 logits differ by 1e-6 without that rounding,
+  by up to 1e-2 with it on the tiny model).
 - Modes, tried in order until one completes a warm-up (the first that works is recorded as `mode`):
   torch.compile reduce-overhead; torch.compile (no CUDA graphs); eager. Prefill and decode share the mode.
   The 1,024-token TTFT is measured compiled (reduce-overhead) and eagerly.
@@ -131,23 +137,32 @@ def build_model(model_dir: Path, device: str, dtype):
         layer.w_gate_up = weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         layer.w_down = weight(p + "mlp.down_proj.weight")
         model.layers.append(layer)
+    set_rope(model, config.max_position_embeddings)
     return model
 
 
-def new_cache(config, batch: int, max_len: int, device) -> dict:
-    """A zeroed KV cache for `batch` sequences of up to max_len tokens (per layer: "k.<i>", "v.<i>"), and RoPE
-    tables that reach max_len. Zeros, not garbage: masked positions still enter softmax(.) @ V with weight 0,
-    and 0 * NaN is NaN."""
+def set_rope(model, positions: int) -> None:
+    """The model's RoPE tables (cos, sin buffers) for `positions` positions."""
+    cos, sin = rope_tables(model.config, positions)
+    model.register_buffer("cos", cos.to(model.embed.device), persistent=False)
+    model.register_buffer("sin", sin.to(model.embed.device), persistent=False)
+
+
+def new_cache(config, batch: int, max_len: int, device) -> list[tuple]:
+    """A zeroed KV cache for `batch` sequences of up to max_len tokens: per layer (k, v), each [batch, kv_heads,
+    max_len, head_dim] bf16. Zeros, not garbage: masked positions still enter softmax(.) @ V with weight 0, and
+    0 * NaN is NaN. Its batch and length are dynamic sizes to torch.compile (one graph for every cache; batch 1
+    gets its own), and on the GPU its addresses static to CUDA graphs (read and written in place, never copied;
+    another cache is recorded anew, not compiled anew)."""
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-    cos, sin = rope_tables(config, max_len)
-    tensors = {"cos": cos.to(device), "sin": sin.to(device)}
-    for i in range(config.num_layers):
-        for kv in "kv":
-            tensors[f"{kv}.{i}"] = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-    if device.type == "cuda":  # read and written in place by every graph replay: never copied
-        for t in tensors.values():
+    cache = [tuple(torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in "kv")
+             for _ in range(config.num_layers)]
+    for t in (t for kv in cache for t in kv):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+        if device.type == "cuda":
             torch._dynamo.mark_static_address(t)
-    return tensors
+    return cache
 
 
 def rms_norm(x, weight, eps: float):
@@ -163,39 +178,40 @@ def rope(x, cos, sin):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def attention(model, layer, q, k, v, pos, key_positions):
-    """q [B, T, H, d], k and v [B, T, Hkv, d] at positions pos [T]: K and V into the layer's cache, then
-    attention -> [B, T, H * d]. key_positions None: a prefill from position 0 (causal over the prompt); else
+def attention(model, kv_cache, q, k, v, pos, key_positions):
+    """q [B, T, H, d], k and v [B, T, Hkv, d] at positions pos [T]: K and V into the layer's cache (k_cache,
+    v_cache), then attention -> [B, T, H * d]. key_positions None: a prefill from position 0 (causal over the prompt); else
     a decode step (T == 1) over the cache positions key_positions (arange(bucket)) that are <= pos."""
     c, sdpa = model.config, torch.nn.functional.scaled_dot_product_attention
     b, t = q.shape[:2]
     k, v = k.transpose(1, 2).to(torch.bfloat16), v.transpose(1, 2).to(torch.bfloat16)   # [B, Hkv, T, d]
-    layer.k_cache[:, :, pos] = k
-    layer.v_cache[:, :, pos] = v
+    k_cache, v_cache = kv_cache
+    k_cache[:, :, pos] = k
+    v_cache[:, :, pos] = v
     if key_positions is None:
         out = sdpa(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), is_causal=True, enable_gqa=True)
         return out.transpose(1, 2).reshape(b, t, c.q_size)
     n = key_positions.shape[0]   # the bucket: the filled part of the cache and at most BUCKET - 1 more
-    keys, values = layer.k_cache[:, :, :n].to(q.dtype), layer.v_cache[:, :, :n].to(q.dtype)
+    keys, values = k_cache[:, :, :n].to(q.dtype), v_cache[:, :, :n].to(q.dtype)
     group = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)  # [B, Hkv, H/Hkv, d]
     written = (key_positions <= pos)[None, None, None, :]   # one length for the whole static batch
     out = sdpa(group, keys, values, attn_mask=written)
     return out.reshape(b, 1, c.q_size)
 
 
-def logits(model, ids, pos, key_positions=None):
+def logits(model, cache, ids, pos, key_positions=None):
     """ids [B, T] at positions pos [T] -> the logits of each sequence's last position [B, vocab] (in the
-    model's dtype). key_positions: see attention."""
+    model's dtype); cache: new_cache's. key_positions: see attention."""
     c = model.config
     b, t = ids.shape
     x = model.embed[ids]
     cos, sin = model.cos[pos], model.sin[pos]
-    for layer in model.layers:
+    for layer, kv_cache in zip(model.layers, cache):
         h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
         q, k, v = torch.nn.functional.linear(h, layer.wqkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)
         k = rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin)
-        attn = attention(model, layer, q, k, v.reshape(b, t, c.num_kv_heads, c.head_dim), pos, key_positions)
+        attn = attention(model, kv_cache, q, k, v.reshape(b, t, c.num_kv_heads, c.head_dim), pos, key_positions)
         x = x + torch.nn.functional.linear(attn, layer.wo)
         gate, up = torch.nn.functional.linear(rms_norm(x, layer.mlp_norm, c.rms_norm_eps),
                                               layer.w_gate_up).chunk(2, dim=-1)
@@ -203,14 +219,14 @@ def logits(model, ids, pos, key_positions=None):
     return torch.nn.functional.linear(rms_norm(x[:, -1], model.norm, c.rms_norm_eps), model.lm_head)
 
 
-def forward(model, ids, pos, key_positions):
+def forward(model, cache, ids, pos, key_positions):
     """A decode step: ids [B, 1] at position pos [1] -> the greedy next token of each sequence [B]."""
-    return logits(model, ids, pos, key_positions).argmax(dim=-1)
+    return logits(model, cache, ids, pos, key_positions).argmax(dim=-1)
 
 
-def prefill(model, ids):
+def prefill(model, cache, ids):
     """The prompts ids [B, P] from position 0 -> first tokens [B]."""
-    return logits(model, ids, torch.arange(ids.shape[1], device=ids.device)).argmax(dim=-1)
+    return logits(model, cache, ids, torch.arange(ids.shape[1], device=ids.device)).argmax(dim=-1)
 
 
 # -- running it ----------------------------------------------------------------------------------------------
@@ -254,25 +270,23 @@ class TorchPeer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = build_model(Path(model_dir), self.device, self.dtype)
-        # per (batch, max_len): the cache and RoPE tables, kept so that their addresses (which compiled code
-        # guards on and CUDA graphs hold) never change, and the mode chosen there
-        self.caches: dict[tuple[int, int], dict] = {}
+        # per (batch, max_len): the cache, kept so that its addresses (which CUDA graphs hold) never change, and
+        # the mode chosen there; self.cache: the one in use
+        self.caches: dict[tuple[int, int], list] = {}
+        self.cache: list | None = None
         self.modes: dict[tuple[int, int], str] = {}
         self.functions: dict[str, tuple] = {}            # mode -> (prefill, step), compiled once
         self.key_positions: dict[int, object] = {}       # bucket -> arange(bucket), its size marked dynamic
         self.failed: list[str] = []   # modes that raised, with their errors
 
     def use_cache(self, batch: int, max_len: int) -> None:
-        """Point the model's buffers at the cache of this shape (made on first use)."""
+        """Use the cache of this shape (made on first use); RoPE tables that reach max_len."""
         key = (batch, max_len)
         if key not in self.caches:
             self.caches[key] = new_cache(self.model.config, batch, max_len, self.device)
-        cache = self.caches[key]
-        self.model.register_buffer("cos", cache["cos"], persistent=False)
-        self.model.register_buffer("sin", cache["sin"], persistent=False)
-        for i, layer in enumerate(self.model.layers):
-            layer.register_buffer("k_cache", cache[f"k.{i}"], persistent=False)
-            layer.register_buffer("v_cache", cache[f"v.{i}"], persistent=False)
+        self.cache = self.caches[key]
+        if self.model.cos.shape[0] < max_len:  # past max_position_embeddings: longer tables (compiled anew)
+            set_rope(self.model, max_len)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -299,12 +313,12 @@ class TorchPeer:
         self.sync()
         start = time.perf_counter()
         with torch.inference_mode():
-            tokens = [prefill_fn(self.model, ids).clone()]   # the next call may overwrite a graph's output
+            tokens = [prefill_fn(self.model, self.cache, ids).clone()]   # the next call may overwrite a graph's output
             self.sync()
             first = time.perf_counter()
             pos = torch.full((1,), length, dtype=torch.long, device=self.device)
             for n in range(length + 1, length + new_tokens):   # n: cache positions filled after the step
-                tokens.append(step(self.model, tokens[-1][:, None], pos, self._keys(n)).clone())
+                tokens.append(step(self.model, self.cache, tokens[-1][:, None], pos, self._keys(n)).clone())
                 pos += 1
             self.sync()
         return tokens, first - start, time.perf_counter() - first
@@ -324,10 +338,10 @@ class TorchPeer:
         if mode not in self.functions:
             if mode == "eager":
                 self.functions[mode] = (prefill, forward)
-            elif mode == "torch.compile":
-                self.functions[mode] = (_compile(prefill), _compile(forward))
-            elif mode == "torch.compile reduce-overhead":
-                self.functions[mode] = tuple(_graphed(_compile(fn, "reduce-overhead")) for fn in (prefill, forward))
+            elif mode in ("torch.compile", "torch.compile reduce-overhead"):
+                graphs = mode.endswith("reduce-overhead")
+                self.functions[mode] = tuple(_dynamic(_compile(fn, "reduce-overhead" if graphs else None), graphs)
+                                             for fn in (prefill, forward))
             else:
                 raise ValueError(f"unknown mode {mode!r}")
         return self.functions[mode]
@@ -405,7 +419,8 @@ class TorchPeer:
         def reference_logits(rows):
             reference.use_cache(len(rows), cache_len(len(rows[0]), 1))
             with torch.inference_mode():
-                return logits(reference.model, reference._tensor(rows), torch.arange(len(rows[0]), device=self.device))
+                return logits(reference.model, reference.cache, reference._tensor(rows),
+                              torch.arange(len(rows[0]), device=self.device))
 
         top2 = reference_logits(prompts).topk(2, dim=-1).values
         typical = (top2[:, 0] - top2[:, 1]).sort().values
@@ -425,13 +440,13 @@ class TorchPeer:
         ids = self._tensor([prompt])
         self.use_cache(1, cache_len(ids.shape[1], 1))
         result = {"prompt_tokens": ids.shape[1], "dtype": str(self.dtype).removeprefix("torch."),
-                  "eager_ttft_ms": self._best_ms(lambda: prefill(self.model, ids), runs)}
+                  "eager_ttft_ms": self._best_ms(lambda: prefill(self.model, self.cache, ids), runs)}
         result.update(mode="eager", ttft_ms=result["eager_ttft_ms"])
         if self.device.type == "cuda":
             compiled = self._functions("torch.compile reduce-overhead")[0]
             try:
                 skips = cudagraph_skips()
-                result["compiled_ttft_ms"] = self._best_ms(lambda: compiled(self.model, ids), runs)
+                result["compiled_ttft_ms"] = self._best_ms(lambda: compiled(self.model, self.cache, ids), runs)
                 graphs = "CUDA graphs skipped" if cudagraph_skips() > skips else "CUDA graphs"
                 result.update(mode=f"torch.compile reduce-overhead ({graphs})", ttft_ms=result["compiled_ttft_ms"])
             except Exception as exc:  # the eager figure stands
@@ -454,6 +469,7 @@ class TorchPeer:
         self.model = None
         self.functions.clear()
         self.caches.clear()
+        self.cache = None
         self.key_positions.clear()
         torch._dynamo.reset()
         gc.collect()
@@ -461,12 +477,16 @@ class TorchPeer:
             torch.cuda.empty_cache()
 
 
-def _graphed(compiled):
-    """A reduce-overhead function called as a step: each call starts a new CUDA-graph step (the outputs of the
-    last one were cloned, so its memory may be reused)."""
-    def call(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args)
+def _dynamic(compiled, graphs: bool):
+    """compiled(model, cache, ids, ...) with the sizes of ids dynamic (so that one graph serves every batch and
+    prompt length, as the cache's sizes are); with CUDA graphs (graphs), each call starts a new graph step
+    (the outputs of the last one were cloned, so its memory may be reused)."""
+    def call(model, cache, ids, *args):
+        for dim in range(ids.dim()):
+            torch._dynamo.maybe_mark_dynamic(ids, dim)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(model, cache, ids, *args)
     return call
 
 
