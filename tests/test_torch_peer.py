@@ -2,9 +2,11 @@
 (it never is a tinyvllm dependency: without it these tests skip). In float32 on the CPU its greedy tokens equal
 tinyvllm's CPU reference on the tiny random models (GQA 2:1 with an untied LM head; llama3 RoPE scaling with
 GQA 4:1 and tied embeddings), for a static batch and a prompt long enough for the scaling to matter; a peer
-with the scaling dropped does not match (so the comparison can fail). The decode step traces whole under
-torch.compile (fullgraph; the aot_eager backend, which skips Inductor's slow code generation) and gives the
-eager step's tokens. The bench runs the peer on the tiny model beside the cpu engine."""
+with the scaling dropped does not match (so the comparison can fail). Its decode attention over the filled
+part of the cache, in buckets, gives the tokens of a textbook forward that recomputes every position with
+full attention (float32). The decode step traces whole under torch.compile (fullgraph; the aot_eager backend,
+which skips Inductor's slow code generation) and gives the eager step's tokens; its compiles do not grow with
+the buckets or the batch sizes. The bench runs the peer on the tiny model beside the cpu engine."""
 
 import dataclasses
 import importlib.util

@@ -180,8 +180,8 @@ def rope(x, cos, sin):
 
 def attention(model, kv_cache, q, k, v, pos, key_positions):
     """q [B, T, H, d], k and v [B, T, Hkv, d] at positions pos [T]: K and V into the layer's cache (k_cache,
-    v_cache), then attention -> [B, T, H * d]. key_positions None: a prefill from position 0 (causal over the prompt); else
-    a decode step (T == 1) over the cache positions key_positions (arange(bucket)) that are <= pos."""
+    v_cache), then attention -> [B, T, H * d]. key_positions None: a prefill from position 0 (causal over the
+    prompt); else a decode step (T == 1) over the cache positions key_positions (arange(bucket)) <= pos."""
     c, sdpa = model.config, torch.nn.functional.scaled_dot_product_attention
     b, t = q.shape[:2]
     k, v = k.transpose(1, 2).to(torch.bfloat16), v.transpose(1, 2).to(torch.bfloat16)   # [B, Hkv, T, d]
