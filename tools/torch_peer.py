@@ -270,11 +270,11 @@ class TorchPeer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = build_model(Path(model_dir), self.device, self.dtype)
-        # per (batch, max_len): the cache, kept so that its addresses (which CUDA graphs hold) never change, and
-        # the mode chosen there; self.cache: the one in use
+        # per (batch, max_len): the cache, kept so that its addresses (which CUDA graphs hold) never change;
+        # self.cache: the one in use; per (batch, prompt length, new tokens): the mode warmed up there
         self.caches: dict[tuple[int, int], list] = {}
         self.cache: list | None = None
-        self.modes: dict[tuple[int, int], str] = {}
+        self.modes: dict[tuple[int, int, int], str] = {}
         self.functions: dict[str, tuple] = {}            # mode -> (prefill, step), compiled once
         self.key_positions: dict[int, object] = {}       # bucket -> arange(bucket), its size marked dynamic
         self.failed: list[str] = []   # modes that raised, with their errors
@@ -349,9 +349,10 @@ class TorchPeer:
     def _mode(self, ids, new_tokens: int) -> str:
         """The best mode that completes a warm-up at this shape (whose cache is in use): one whole generation,
         so that every bucket's graph is compiled and recorded before anything is timed."""
-        batch, max_len = ids.shape[0], cache_len(ids.shape[1], new_tokens)
-        if (batch, max_len) in self.modes:
-            return self.modes[batch, max_len]
+        batch = ids.shape[0]
+        key = (batch, ids.shape[1], new_tokens)
+        if key in self.modes:
+            return self.modes[key]
         modes = GPU_MODES if self.device.type == "cuda" else CPU_MODES
         for mode in modes:
             try:
@@ -363,7 +364,7 @@ class TorchPeer:
                 self.failed.append(f"{mode} at batch {batch}: {type(exc).__name__}: {exc}")
                 print(f"torch_peer: {self.failed[-1]}", file=sys.stderr, flush=True)
                 continue
-            self.modes[batch, max_len] = mode
+            self.modes[key] = mode
             return mode
         raise RuntimeError(f"no mode ran at batch {batch}: " + "; ".join(self.failed[-len(modes):]))
 
