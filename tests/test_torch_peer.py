@@ -2,13 +2,16 @@
 (it never is a tinyvllm dependency: without it these tests skip). In float32 on the CPU its greedy tokens equal
 tinyvllm's CPU reference on the tiny random models (GQA 2:1 with an untied LM head; llama3 RoPE scaling with
 GQA 4:1 and tied embeddings), for a static batch and a prompt long enough for the scaling to matter; a peer
-with the scaling dropped does not match (so the comparison can fail). The decode step traces whole under
-torch.compile (fullgraph; the aot_eager backend, which skips Inductor's slow code generation) and gives the
-eager step's tokens. The bench runs the peer on the tiny model beside the cpu engine."""
+with the scaling dropped does not match (so the comparison can fail). Its decode attention over the filled
+part of the cache, in buckets, gives the tokens of a textbook forward that recomputes every position with
+full attention (float32). The decode step traces whole under torch.compile (fullgraph; the aot_eager backend,
+which skips Inductor's slow code generation) and gives the eager step's tokens; its compiles do not grow with
+the buckets or the batch sizes. The bench runs the peer on the tiny model beside the cpu engine."""
 
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -60,18 +63,96 @@ def test_llama3_scaling_is_what_makes_the_long_prompt_match(tiny_llama3_model_di
     assert peer.generate([long], NEW_TOKENS) != reference_tokens(tiny_llama3_model_dir, [long])
 
 
+def plain_logits(model, ids, dtype):
+    """The logits [B, T, vocab] of the token sequences ids [B, T] by the textbook forward: no cache, every
+    position attends to every earlier one by an explicit masked softmax, K and V repeated per query head
+    (rounded to bf16 on the way, as the peer's and tinyvllm's caches store them)."""
+    c = model.config
+    b, t = ids.shape
+    cos, sin = (table[:t] for table in torch_peer.rope_tables(c, t))
+    w = {name: p.to(dtype) for name, p in model.named_parameters()}
+    x = w["embed"][ids]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    for i in range(c.num_layers):
+        h = torch_peer.rms_norm(x, w[f"layers.{i}.attn_norm"], c.rms_norm_eps)
+        q, k, v = (h @ w[f"layers.{i}.wqkv"].T).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = torch_peer.rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+        k = torch_peer.rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        group = c.num_heads // c.num_kv_heads
+        k, v = (y.to(torch.bfloat16).to(dtype).repeat_interleave(group, dim=1) for y in (k, v))
+        scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(c.head_dim)
+        p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        attn = (p.to(dtype) @ v).transpose(1, 2).reshape(b, t, c.q_size)
+        x = x + attn @ w[f"layers.{i}.wo"].T
+        gate, up = (torch_peer.rms_norm(x, w[f"layers.{i}.mlp_norm"], c.rms_norm_eps)
+                    @ w[f"layers.{i}.w_gate_up"].T).chunk(2, dim=-1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[f"layers.{i}.w_down"].T
+    head = w["lm_head"] if "lm_head" in w else w["embed"]
+    return torch_peer.rms_norm(x, w["norm"], c.rms_norm_eps) @ head.T
+
+
+def plain_tokens(model, prompts: list[list[int]], new_tokens: int, dtype) -> list[list[int]]:
+    """Greedy tokens by plain_logits, the whole sequence recomputed at every step."""
+    ids = torch.tensor(prompts)
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, plain_logits(model, ids, dtype)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, len(prompts[0]):].tolist()
+
+
+@pytest.mark.parametrize("bucket", [4, 16])
+def test_bucketed_decode_equals_plain_full_attention_in_float32(model_dir, monkeypatch, bucket):
+    """Decode attention over the filled part of the cache, rounded up to a bucket, masked past the length,
+    gives the greedy tokens of a forward that recomputes everything with full attention (float32; one bucket
+    when 16, several when 4)."""
+    monkeypatch.setattr(torch_peer, "BUCKET", bucket)
+    batch, _ = prompts_for(4)
+    peer = torch_peer.TorchPeer(model_dir, device="cpu", dtype=torch.float32)
+    assert peer.generate(batch, NEW_TOKENS) == plain_tokens(peer.model, batch, NEW_TOKENS, torch.float32)
+
+
+def test_compiles_do_not_grow_with_the_buckets_or_the_batches(tiny_model_dir, monkeypatch):
+    """The bucket, the batch, the prompt length and the cache are dynamic sizes: one compiled decode graph
+    serves all five buckets of a generation and every batch above 1, one prefill graph their prompts (batch 1
+    has a graph of each of its own), all compiled in the warm-up; nothing compiles while timed."""
+    monkeypatch.setattr(torch_peer, "_compile", aot_eager)
+    monkeypatch.setattr(torch_peer, "CPU_MODES", ("torch.compile", "eager"))
+    monkeypatch.setattr(torch_peer, "BUCKET", 8)
+    torch._dynamo.reset()
+    peer = torch_peer.TorchPeer(tiny_model_dir, device="cpu")
+    r = peer.decode_throughput(prompts_for(5)[0], 30, runs=2)   # three 7-token prompts: 8 to 36 positions
+    assert (r["mode"], r["buckets"], r["compiles_warmup"], r["compiles_timed"]) == ("torch.compile", 5, 2, 0)
+    assert r["eager_agreement"] == f"{3 * torch_peer.CHECK_STEPS} of {3 * torch_peer.CHECK_STEPS} decode tokens " \
+                                   "equal to the eager step's"
+    prompts = np.random.default_rng(6).integers(0, 256, (5, 12)).tolist()
+    r = peer.decode_throughput(prompts, 40, runs=1)   # another batch, prompt length, cache and buckets
+    assert (r["buckets"], r["compiles_warmup"], r["compiles_timed"]) == (6, 0, 0)
+    r = peer.decode_throughput(prompts[:1], 30, runs=1)
+    assert (r["compiles_warmup"], r["compiles_timed"]) == (2, 0)
+
+
+def aot_eager(fn, mode=None):
+    """torch.compile as the peer calls it, with Inductor replaced by aot_eager (fast on the CPU)."""
+    return torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
+
+
 def test_compiled_step_traces_whole_and_gives_the_eager_tokens(tiny_llama3_model_dir, monkeypatch):
-    monkeypatch.setattr(torch_peer, "_compile", lambda fn, mode=None: torch.compile(
-        fn, backend="aot_eager", fullgraph=True, dynamic=False))
+    monkeypatch.setattr(torch_peer, "_compile", aot_eager)
     batch, _ = prompts_for(1)
     peer = torch_peer.TorchPeer(tiny_llama3_model_dir, device="cpu", dtype=torch.float32)
     assert peer.generate(batch, NEW_TOKENS, mode="torch.compile") == peer.generate(batch, NEW_TOKENS)
     # the check the bench records beside each timed mode: all equal here, fewer for a step that is wrong
     n = 3 * torch_peer.CHECK_STEPS
-    ids, compiled = torch.tensor(batch), torch_peer._compile(torch_peer.forward)
-    assert peer.eager_agreement(ids, compiled) == f"{n} of {n} decode tokens equal to the eager step's"
-    at_zero = peer.eager_agreement(ids, lambda model, x, pos: torch_peer.forward(model, x, pos * 0))
-    assert not at_zero.startswith(f"{n} of")
+    ids = torch.tensor(batch)
+    assert peer.eager_agreement(ids, "torch.compile") == f"{n} of {n} decode tokens equal to the eager step's"
+    peer.functions["at zero"] = (torch_peer.prefill, lambda model, cache, x, pos, keys: torch_peer.forward(
+        model, cache, x, pos * 0, keys))
+    assert not peer.eager_agreement(ids, "at zero").startswith(f"{n} of")
+    # where a mode parts from eager, a float32 reference's logit gap between the two choices
+    reference = torch_peer.TorchPeer(tiny_llama3_model_dir, device="cpu", dtype=torch.float32)
+    assert peer.near_ties(batch, "torch.compile", reference)["parted"] == 0
+    wrong = peer.near_ties(batch, "at zero", reference)
+    assert wrong["parted"] > 0 and len(wrong["gaps"]) == wrong["parted"] and all(g >= 0 for g in wrong["gaps"])
 
 
 def test_decode_throughput_and_prefill_ttft_on_the_cpu(tiny_model_dir):
@@ -124,15 +205,14 @@ def test_decode_modes_fall_back_in_order(tiny_model_dir, monkeypatch, graphs_ski
     """The first mode that completes a warm-up is kept; one that raises, or (reduce-overhead) whose CUDA graphs
     Inductor skipped, is recorded with its error and the next is tried. (Inductor is replaced by aot_eager and
     its skip counter faked: the modes' plumbing, not their speed.)"""
-    monkeypatch.setattr(torch_peer, "_compile", lambda fn, mode=None: torch.compile(
-        fn, backend="aot_eager", fullgraph=True, dynamic=False))
+    monkeypatch.setattr(torch_peer, "_compile", aot_eager)
     monkeypatch.setattr(torch_peer, "CPU_MODES", ("no such mode", "torch.compile reduce-overhead", "eager"))
     skips = iter(range(100))
     monkeypatch.setattr(torch_peer, "cudagraph_skips", lambda: next(skips) if graphs_skipped else 0)
     batch, _ = prompts_for(3)
     peer = torch_peer.TorchPeer(tiny_model_dir, device="cpu")
     r = peer.decode_throughput(batch, NEW_TOKENS, runs=1)
-    failed = ["no such mode at batch 3: ValueError: unknown decode mode 'no such mode'"]
+    failed = ["no such mode at batch 3: ValueError: unknown mode 'no such mode'"]
     if graphs_skipped:
         failed.append("torch.compile reduce-overhead at batch 3: RuntimeError: Inductor skipped CUDA graphs (its "
                       "warning above says why)")

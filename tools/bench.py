@@ -78,11 +78,12 @@ off (except in stalls, which runs the defaults), so a repeated prompt is prefill
 
 Peers (--peers, default torch,hf; each runs when torch, or torch and transformers, import; neither is ever
 a tinyvllm dependency), on the same model directory, bf16, on cuda if available, else the CPU:
-- torch: tools/torch_peer.py, a plain Llama with a static KV cache and the decode step compiled with
-  torch.compile(mode="reduce-overhead") (CUDA graphs): latency (batch 1, decode tokens/s timed as tinyvllm's),
-  the static batches (output tokens/s with prefill included, as tinyvllm's static workload; the prefill
-  eager), the 1,024-token prefill (compiled and eager). Its mode and its agreement with its own eager step
-  are recorded. Its decode step times at batch 1, 16 and 64 (from those runs) stand beside the step ratios.
+- torch: tools/torch_peer.py, a plain Llama with a static KV cache, prefill and decode compiled with
+  torch.compile(mode="reduce-overhead") (CUDA graphs; decode attention over the filled part of the cache in
+  64-position buckets): latency (batch 1, decode tokens/s timed as tinyvllm's), the static batches (output
+  tokens/s with prefill included, as tinyvllm's static workload), the 1,024-token prefill (compiled and
+  eager). Its mode and its agreement with its own eager step are recorded. Its decode step times at batch 1,
+  16 and 64 (from those runs) stand beside the step ratios.
 - hf: HF transformers: latency with `cache_implementation="static"` (generate then compiles the model with
   torch.compile) and eager; throughput with `generate_batch` (transformers' continuous batching with a paged
   cache), which takes one max_new_tokens for all requests, so each request asks for the mean of the
