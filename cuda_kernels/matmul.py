@@ -101,22 +101,23 @@ GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes th
 # tiles were faster on the narrow weights (docs/performance.md, "gemm_tc or gemm_pipelined").
 PIPELINED_MIN_M = 128
 PIPELINED_WIDE_MIN_M = 64
-# gemv_tc for bf16 inputs from gemv's rows up to this many (its n8 tiles cover 64 rows), for weights of at most
-# GEMV_TC_MAX_WEIGHT elements: on the 1B model's QKV and O it beat gemm_pipelined's skinny plan at M = 16, 32
-# and 64; on gate/up, down and the LM head it lost at every M (H100, docs/performance.md, "gemv_tc").
-GEMV_TC_MAX_M = 8 * gemv_tc.MAX_NT
+# gemv_tc for bf16 inputs from gemv's rows up to this many, for weights of at most GEMV_TC_MAX_WEIGHT elements:
+# alone, on the 1B model's QKV and O, it beat gemm_pipelined's skinny plan at M = 16, 32 and 64 (on gate/up, down
+# and the LM head it lost at every M); in the engine's decode step (QKV with its RoPE + KV-write epilogue) it took
+# batch 16 from 1.78 to 1.70 ms but batch 64 from 2.70 to 2.81 ms, the RoPE epilogue costing more with every
+# n8 tile (H100, BENCHMARKS.md and docs/performance.md, "gemv_tc"). So the engine takes it up to 16 rows; the
+# kernel serves 8 * gemv_tc.MAX_NT, and GEMV_TC_CONFIGS keeps the configurations timed at 32 and 64.
+GEMV_TC_MAX_M = 16
 GEMV_TC_MAX_WEIGHT = 8 << 20
 # gemv_tc_config's picks by n8 tiles (x rows / 8) and weight rows (up to GEMV_TC_NARROW_N, O-like; above, QKV-like)
 GEMV_TC_CONFIGS = {2: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1, 4)),
                    4: (gemv_tc.GemvTcConfig(8, 1, 4), gemv_tc.GemvTcConfig(8, 1, 2)),
                    8: (gemv_tc.GemvTcConfig(8, 1, 2, True), gemv_tc.GemvTcConfig(4, 1, 8))}
 GEMV_TC_NARROW_N = 2048
-# NOTE: off unless TINYVLLM_GEMV_TC=1, for now. gemv_tc and its epilogues pass their kernel tests on an H100,
-# but the engine's GPU tests with it have not run to the end (their first run found a bug, fixed since in the
-# simulator only) and the decode step has not been timed with it; the variable lets one GPU run do both (tests
-# and an A/B of the step) before it becomes the default (BENCHMARKS.md, issue 29). Never in the simulator, where
-# every emulated mma costs two block barriers over Python threads (a test switches it on to walk the entry points).
-GEMV_TC_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_GEMV_TC", "0") == "1"
+# NOTE: on by default on a GPU (TINYVLLM_GEMV_TC=0 turns it off, for an A/B of the step); never in the
+# simulator, where every emulated mma costs two block barriers over Python threads (a test switches it on to
+# walk the entry points).
+GEMV_TC_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_GEMV_TC", "1") != "0"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_n_tiles_cover_m():
 
 
 @settings(max_examples=examples(2, 4))
-@given(seeds, st.integers(pick(1, 9), pick(20, 64)))
+@given(seeds, st.integers(pick(1, 9), mm.GEMV_TC_MAX_M))
 def test_engine_entry_points_take_gemv_tc(seed, m):
     """matmul, gated_matmul, mlp and matmul_rope_kv_write with bf16 inputs and a planes workspace run gemv_tc
     at decode batches (in
@@ -127,6 +127,7 @@ def test_engine_entry_points_take_gemv_tc(seed, m):
             small = gt.GemvTcConfig(2, 1, 1)
             patch.setattr(mm, "GEMV_TC_CONFIGS", {nt: (small, small) for nt in mm.GEMV_TC_CONFIGS})
         assert mm.uses_gemv_tc(m, n, k, True) and not mm.uses_gemv_tc(m, n, k, False)
+        assert not mm.uses_gemv_tc(mm.GEMV_TC_MAX_M + 1, n, k, True)
         workspace = device_empty(m * max(k, f), np.uint16)
         out = stale_out(m, n)
         mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=workspace)
