@@ -68,7 +68,8 @@ Versions (continuing matmul.py's list): 6. this kernel, for prefill and large ba
 sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest); its gated
 epilogue (matmul.gated_matmul) replaced gemm + activation.silu_and_mul there, and its planes output the
 conversion of the MLP's activation (matmul.mlp). 7. the same kernel with K split over blocks and skinny
-tiles (skinny_plan), for decode batches between gemv's rows and SKINNY_MAX_M (given a split workspace).
+tiles (matmul.skinny_plan), for decode batches between gemv's rows and matmul.PIPELINED_SKINNY_MAX_M (given a
+split workspace). Which tile and how many splits run for a shape is matmul.py's policy.
 """
 
 from __future__ import annotations
@@ -102,33 +103,8 @@ class PipelinedTile(NamedTuple):
     min_blocks: int = 0
 
 
-# The policy's tiles (pipelined_tile; measured on the H200, docs/performance.md): a wide tile per mode where the
-# grid still has about a block per SM (with bf16 inputs and at most one wave of blocks, its 64-deep slab),
-# else 64 rows (and, with bf16 inputs and a small grid, 64 x 64).
-WIDE_FP32 = PipelinedTile(128, 256, 32, 64, 64, 3)
-WIDE_BF16 = PipelinedTile(128, 128, 32, 64, 32, 3)
-WIDE_BF16_DEEP = PipelinedTile(128, 128, 64, 64, 32, 3)
-NARROW = PipelinedTile(64, 128, 32, 32, 32, 4)
-SMALL = PipelinedTile(64, 64, 32, 32, 32, 4)
-MIN_BLOCKS = 120   # of the H200's 132 SMs: fewer blocks than this leave too many idle
-ONE_WAVE = 132     # blocks the H200 runs at once with one 128 x 128 block per SM
-# Tiles worth timing against them (tools/kernel_benchmarks/matmul.py --pipelined)
-CANDIDATES = (PipelinedTile(128, 128, 32, 64, 32, 4), PipelinedTile(128, 128, 32, 64, 32, 3),
-              PipelinedTile(128, 128, 32, 64, 32, 3, 2), PipelinedTile(128, 128, 64, 64, 32, 3),
-              PipelinedTile(64, 64, 32, 32, 32, 4), PipelinedTile(128, 64, 32, 64, 32, 4),
-              PipelinedTile(64, 128, 32, 32, 32, 4), PipelinedTile(128, 256, 32, 64, 64, 3))
 # The simulator's tile: 2 warps of 16 x 16, two k-steps a slab, three stages (every code path, 64 threads).
 SIM_TILE = PipelinedTile(16, 32, 32, 16, 16, 3)
-
-# Skinny M (decode batches above gemv's rows, short prefill chunks): the whole of M in one block row (BM = M
-# rounded up to 16, 32, 64 or 128), 128 weight rows a block, 64-deep slabs, and K split over enough blocks
-# that the grid has about a block per SM (skinny_plan). The weight is the traffic here:
-# each block streams its BN x K / splits share of it, STAGES - 1 slabs ahead.
-SKINNY_TILES = {16: PipelinedTile(16, 128, 64, 16, 32, 4), 32: PipelinedTile(32, 128, 64, 32, 32, 4),
-                64: PipelinedTile(64, 128, 64, 32, 32, 4), 128: PipelinedTile(128, 128, 64, 64, 32, 3)}
-SKINNY_MAX_M = 128
-SM_COUNT = 132             # H200 and H100 SXM
-MIN_SPLIT_SLABS = 4        # a split shorter than this spends its time filling and draining the pipeline
 
 
 def pieces(bf16_inputs: bool) -> int:
@@ -139,56 +115,6 @@ def pieces(bf16_inputs: bool) -> int:
 def shared_bytes(tile: PipelinedTile, bf16_inputs: bool) -> int:
     """Dynamic shared memory of a block: STAGES stages of P * BM rows of x planes and BN rows of W."""
     return tile.stages * (pieces(bf16_inputs) * tile.bm + tile.bn) * (tile.bk + CHUNK) * 2
-
-
-def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
-    """The tile matmul uses for x (m, k) @ W (n, k)^T (a pure function of the shape and mode).
-
-    The wide tiles where their grid has MIN_BLOCKS blocks; below that 64-row tiles, and with bf16 inputs,
-    when even 64 x 128 has too few blocks, 64 x 64. A 128-row tile is taken only when it pads M no more than
-    a 64-row one does (at M = 64 it would do twice the work). With bf16 inputs and a grid of one wave or
-    less, every block runs alone on its SM for the whole K, and the 64-deep slab (half the barriers and waits
-    per K) is faster; with more blocks it is slower. Measured on the H200 (tools/kernel_benchmarks/matmul.py
-    --pipelined; docs/performance.md, "gemm_pipelined tiles")."""
-    def blocks(tile):
-        return _cdiv(m, tile.bm) * _cdiv(n, tile.bn)
-
-    wide = WIDE_BF16 if bf16_inputs else WIDE_FP32
-    if _cdiv(m, 128) * 128 <= _cdiv(m, 64) * 64 and blocks(wide) >= MIN_BLOCKS:
-        return WIDE_BF16_DEEP if bf16_inputs and blocks(wide) <= ONE_WAVE else wide
-    if bf16_inputs and blocks(NARROW) < MIN_BLOCKS:
-        return SMALL
-    return NARROW
-
-
-def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
-                tile: PipelinedTile | None = None) -> tuple[PipelinedTile, int]:
-    """(tile, splits) for x (m <= SKINNY_MAX_M, k) @ W (n, k)^T: SKINNY_TILES' tile for m (or `tile`), and
-    about one block per SM: splits = round(SM_COUNT / tiles), at least 1, each split at least
-    MIN_SPLIT_SLABS slabs long. n: the weight's rows (gated: 2F).
-    NOTE: about one block per SM was the best or within 5% of it for every 1B weight at M = 16, 64 and 128;
-    more splits cost more in partial sums than they gain in blocks (H100, cold weights: BENCHMARKS.md,
-    "What limits each figure")."""
-    tile = tile or SKINNY_TILES[next(b for b in SKINNY_TILES if b >= min(m, SKINNY_MAX_M))]
-    tiles = split_counters_size(tile, m, n, gated)
-    slabs = _cdiv(k, tile.bk)
-    splits = max(1, min(round(SM_COUNT / tiles), slabs // MIN_SPLIT_SLABS))
-    while (splits - 1) * _cdiv(slabs, splits) >= slabs:   # no empty split
-        splits -= 1
-    return tile, splits
-
-
-def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
-    """(float32 partials, int32 counters) that every skinny plan of x (m <= SKINNY_MAX_M, K) @ W^T needs, for
-    weights given as (n, k, gated); the largest plan of a tile is the one at M = its BM."""
-    partials = counters = 1
-    for n, k, gated in weights:
-        for m in SKINNY_TILES:
-            tile, splits = skinny_plan(m, n, k, bf16_inputs, gated)
-            if splits > 1:
-                partials = max(partials, split_partials_size(tile, m, n, splits, gated))
-                counters = max(counters, split_counters_size(tile, m, n, gated))
-    return partials, counters
 
 
 def workspace_size(m: int, k: int, bf16_inputs: bool) -> int:

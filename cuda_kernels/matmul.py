@@ -34,7 +34,8 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
 - uses_gemv_tc: gemv_tc for bf16 inputs from gemv's rows to GEMV_TC_MAX_M (given a planes workspace), with
   gemv_tc_config(M, N, K);
 - pipelined_plan: gemm_pipelined where the caller gives a planes workspace and M is large enough (with a
-  split workspace, every M above gemv's, K split for skinny M; gemm_pipelined.skinny_plan / pipelined_tile);
+  split workspace, every M above gemv's, K split for skinny M: skinny_plan, else pipelined_tile; the split
+  workspace's sizes: split_workspace_sizes);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -47,6 +48,7 @@ import os
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels import activation, gemm_pipelined, gemv_tc, rope
 from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.gemm_pipelined import PipelinedTile
 from cuda_kernels.gemm_simt import GemmTile, gemm
 from cuda_kernels.gemm_tc import GemmTcTile, gemm_tc
 from cuda_kernels.gemv import GemvConfig, gemv, gemv_rope
@@ -76,7 +78,7 @@ GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
 
 # gemm_tc tiles (gemm_tc_tile picks one; every one can also be passed as gemm_tc's `tile`). All of them fit
 # gemm_tc.GEMM_TC_MAX_SHARED in fp32 mode, so the choice does not depend on bf16_inputs.
-SM_COUNT = 132                 # H200
+SM_COUNT = 132                 # H200 and H100 SXM
 # Prefill: 128 x 128 of 8 warps of 64 x 32, and 64 x 64 of 4 warps of 32 x 32.
 GEMM_TC_TILE = GemmTcTile(128, 128, 32, 64, 32)
 GEMM_TC_SMALL_TILE = GemmTcTile(64, 64, 32, 32, 32)
@@ -101,6 +103,29 @@ GEMM_TC_DEEP_K = 4096          # K from which the narrowest skinny tile takes th
 # tiles were faster on the narrow weights (docs/performance.md, "gemm_tc or gemm_pipelined").
 PIPELINED_MIN_M = 128
 PIPELINED_WIDE_MIN_M = 64
+# gemm_pipelined tiles (pipelined_tile; measured on the H200, docs/performance.md): a wide tile per mode where the
+# grid still has about a block per SM (with bf16 inputs and at most one wave of blocks, its 64-deep slab),
+# else 64 rows (and, with bf16 inputs and a small grid, 64 x 64).
+PIPELINED_WIDE_FP32 = PipelinedTile(128, 256, 32, 64, 64, 3)
+PIPELINED_WIDE_BF16 = PipelinedTile(128, 128, 32, 64, 32, 3)
+PIPELINED_WIDE_BF16_DEEP = PipelinedTile(128, 128, 64, 64, 32, 3)
+PIPELINED_NARROW = PipelinedTile(64, 128, 32, 32, 32, 4)
+PIPELINED_SMALL = PipelinedTile(64, 64, 32, 32, 32, 4)
+PIPELINED_MIN_BLOCKS = 120     # of the H200's 132 SMs: fewer blocks than this leave too many idle
+PIPELINED_ONE_WAVE = 132       # blocks the H200 runs at once with one 128 x 128 block per SM
+# Tiles worth timing against them (tools/kernel_benchmarks/matmul.py --pipelined)
+PIPELINED_CANDIDATES = (PipelinedTile(128, 128, 32, 64, 32, 4), PipelinedTile(128, 128, 32, 64, 32, 3),
+                        PipelinedTile(128, 128, 32, 64, 32, 3, 2), PipelinedTile(128, 128, 64, 64, 32, 3),
+                        PipelinedTile(64, 64, 32, 32, 32, 4), PipelinedTile(128, 64, 32, 64, 32, 4),
+                        PipelinedTile(64, 128, 32, 32, 32, 4), PipelinedTile(128, 256, 32, 64, 64, 3))
+# Skinny M (decode batches above gemv's rows, short prefill chunks): the whole of M in one block row (BM = M
+# rounded up to 16, 32, 64 or 128), 128 weight rows a block, 64-deep slabs, and K split over enough blocks
+# that the grid has about a block per SM (skinny_plan). The weight is the traffic here:
+# each block streams its BN x K / splits share of it, STAGES - 1 slabs ahead.
+PIPELINED_SKINNY_TILES = {16: PipelinedTile(16, 128, 64, 16, 32, 4), 32: PipelinedTile(32, 128, 64, 32, 32, 4),
+                          64: PipelinedTile(64, 128, 64, 32, 32, 4), 128: PipelinedTile(128, 128, 64, 64, 32, 3)}
+PIPELINED_SKINNY_MAX_M = 128
+MIN_SPLIT_SLABS = 4            # a split shorter than this spends its time filling and draining the pipeline
 # gemv_tc for bf16 inputs from gemv's rows up to this many, for weights of at most GEMV_TC_MAX_WEIGHT elements:
 # alone, on the 1B model's QKV and O, it beat gemm_pipelined's skinny plan at M = 16, 32 and 64 (on gate/up, down
 # and the LM head it lost at every M); in the engine's decode step (QKV with its RoPE + KV-write epilogue) it took
@@ -150,7 +175,7 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     return GEMV_LONG_K_M if long_k and m <= 2 else GEMV_SPLIT_M
 
 
-def _blocks(tile: GemmTcTile, m: int, n: int) -> int:
+def _blocks(tile: GemmTcTile | PipelinedTile, m: int, n: int) -> int:
     return ((n + tile.bn - 1) // tile.bn) * ((m + tile.bm - 1) // tile.bm)
 
 
@@ -222,18 +247,68 @@ def uses_gemv(m: int, n: int) -> bool:
 
 
 def pipelined_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
-                   split_workspace=None) -> tuple[gemm_pipelined.PipelinedTile, int] | None:
+                   split_workspace=None) -> tuple[PipelinedTile, int] | None:
     """(tile, splits) when matmul (given a planes workspace) runs x (m, k) @ W (n, k)^T on gemm_pipelined, else
-    None: with a split workspace every M from gemv's limit up to gemm_pipelined.SKINNY_MAX_M takes the skinny
-    plan (K split over blocks, so that the weight streams from every SM), larger M the policy's tile;
+    None: with a split workspace every M from gemv's limit up to PIPELINED_SKINNY_MAX_M takes the skinny plan
+    (skinny_plan: K split over blocks, so that the weight streams from every SM), larger M pipelined_tile;
     without one, M from PIPELINED_MIN_M (PIPELINED_WIDE_MIN_M for wide weights) only."""
     if SIMULATOR or k % 8 or uses_gemv(m, n):
         return None
-    if split_workspace is not None and m <= gemm_pipelined.SKINNY_MAX_M:
-        return gemm_pipelined.skinny_plan(m, n, k, bf16_inputs, gated)
+    if split_workspace is not None and m <= PIPELINED_SKINNY_MAX_M:
+        return skinny_plan(m, n, k, bf16_inputs, gated)
     if uses_pipelined(m, n, k):
-        return gemm_pipelined.pipelined_tile(m, n, k, bf16_inputs), 1
+        return pipelined_tile(m, n, k, bf16_inputs), 1
     return None
+
+
+def pipelined_tile(m: int, n: int, k: int, bf16_inputs: bool) -> PipelinedTile:
+    """The tile gemm_pipelined uses for x (m, k) @ W (n, k)^T in the engine (a pure function of the shape and
+    mode).
+
+    The wide tiles where their grid has PIPELINED_MIN_BLOCKS blocks; below that 64-row tiles, and with bf16
+    inputs, when even 64 x 128 has too few blocks, 64 x 64. A 128-row tile is taken only when it pads M no more
+    than a 64-row one does (at M = 64 it would do twice the work). With bf16 inputs and a grid of one wave or
+    less, every block runs alone on its SM for the whole K, and the 64-deep slab (half the barriers and waits
+    per K) is faster; with more blocks it is slower. Measured on the H200 (tools/kernel_benchmarks/matmul.py
+    --pipelined; docs/performance.md, "gemm_pipelined tiles")."""
+    wide = PIPELINED_WIDE_BF16 if bf16_inputs else PIPELINED_WIDE_FP32
+    if -(-m // 128) * 128 <= -(-m // 64) * 64 and _blocks(wide, m, n) >= PIPELINED_MIN_BLOCKS:
+        return PIPELINED_WIDE_BF16_DEEP if bf16_inputs and _blocks(wide, m, n) <= PIPELINED_ONE_WAVE else wide
+    if bf16_inputs and _blocks(PIPELINED_NARROW, m, n) < PIPELINED_MIN_BLOCKS:
+        return PIPELINED_SMALL
+    return PIPELINED_NARROW
+
+
+def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
+                tile: PipelinedTile | None = None) -> tuple[PipelinedTile, int]:
+    """(tile, splits) of gemm_pipelined for x (m <= PIPELINED_SKINNY_MAX_M, k) @ W (n, k)^T: the tile of
+    PIPELINED_SKINNY_TILES for m (or `tile`), and about one block per SM: splits = round(SM_COUNT / tiles), at
+    least 1, each split at least MIN_SPLIT_SLABS slabs long. n: the weight's rows (gated: 2F).
+    NOTE: about one block per SM was the best or within 5% of it for every 1B weight at M = 16, 64 and 128;
+    more splits cost more in partial sums than they gain in blocks (H100, cold weights: BENCHMARKS.md,
+    "What limits each figure")."""
+    rows = next(b for b in PIPELINED_SKINNY_TILES if b >= min(m, PIPELINED_SKINNY_MAX_M))
+    tile = tile or PIPELINED_SKINNY_TILES[rows]
+    tiles = gemm_pipelined.split_counters_size(tile, m, n, gated)
+    slabs = -(-k // tile.bk)
+    splits = max(1, min(round(SM_COUNT / tiles), slabs // MIN_SPLIT_SLABS))
+    while (splits - 1) * -(-slabs // splits) >= slabs:   # no empty split
+        splits -= 1
+    return tile, splits
+
+
+def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
+    """(float32 partials, int32 counters) that every skinny plan of x (m <= PIPELINED_SKINNY_MAX_M, K) @ W^T
+    needs, for weights given as (n, k, gated) (the runner allocates them once; matmul(..., split_workspace=));
+    the largest plan of a tile is the one at M = its BM."""
+    partials = counters = 1
+    for n, k, gated in weights:
+        for m in PIPELINED_SKINNY_TILES:
+            tile, splits = skinny_plan(m, n, k, bf16_inputs, gated)
+            if splits > 1:
+                partials = max(partials, gemm_pipelined.split_partials_size(tile, m, n, splits, gated))
+                counters = max(counters, gemm_pipelined.split_counters_size(tile, m, n, gated))
+    return partials, counters
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -347,7 +422,7 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
     of GEMV_WIDE_N rows or more); given a workspace for x's bf16 planes (at least
     gemm_pipelined.workspace_size(M, K, bf16_inputs) uint16), gemv_tc where uses_gemv_tc says, gemm_pipelined
     where pipelined_plan says (with
-    a split workspace, gemm_pipelined.split_workspace_sizes: every M above gemv's, K split for skinny M);
+    a split workspace, split_workspace_sizes: every M above gemv's, K split for skinny M);
     gemm_tc for the rest.
 
     bf16_inputs (the engine's matmul_precision "bf16"): x is rounded to the nearest bf16 before it is

@@ -129,7 +129,7 @@ class CUDARunner:
         weight_shapes = [(c.q_size + 2 * c.kv_size, c.hidden_size, False), (c.hidden_size, c.q_size, False),
                          (2 * c.intermediate_size, c.hidden_size, True), (c.hidden_size, c.intermediate_size, False),
                          (c.vocab_size, c.hidden_size, False)]
-        partials, counters = gemm_pipelined.split_workspace_sizes(weight_shapes, self.bf16_inputs)
+        partials, counters = matmul.split_workspace_sizes(weight_shapes, self.bf16_inputs)
         self.split_workspace = None if SIMULATOR else (empty(partials, f32),
                                                        cuda.to_device(np.zeros(counters, np.int32)))
         # the MLP's act as the down projection's planes, written by the gate/up GEMM (matmul.mlp)
@@ -472,7 +472,7 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """CUDA-graph batch sizes: powers of two up to 128, then steps of 64, up to max_num_seqs.
     NOTE: few buckets, because the warm-up captures every one of them before the engine reports ready. The
     padding they cost is small: the decode GEMMs' tiles already round M up to 16, 32, 64 or 128 rows
-    (gemm_pipelined.SKINNY_TILES), and a padding row's attention is empty (context length 0)."""
+    (matmul.PIPELINED_SKINNY_TILES), and a padding row's attention is empty (context length 0)."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_num_seqs] + list(range(192, max_num_seqs, 64))
     return tuple(sizes) + (max_num_seqs,)
 

@@ -823,7 +823,8 @@ def test_bf16_planes_match_the_reference_bit_for_bit(seed, m, k, x_scale, bf16_i
 # tiles for the simulator's tests (tiny, every code path: more than one warp along M and N, chunks that do
 # not divide evenly over the threads, two stages) and the GPU's (the candidates the policy picks from)
 PIPELINED_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2)],
-                       [gp.WIDE_FP32, gp.WIDE_BF16, gp.NARROW, gp.SMALL, gp.PipelinedTile(),
+                       [mm.PIPELINED_WIDE_FP32, mm.PIPELINED_WIDE_BF16, mm.PIPELINED_NARROW, mm.PIPELINED_SMALL,
+                        gp.PipelinedTile(),
                         gp.PipelinedTile(128, 128, 32, 64, 32, 3, 2), gp.PipelinedTile(128, 128, 64, 64, 32, 3)])
 
 
@@ -901,7 +902,7 @@ def split_workspace(tile, m, n, splits, gated=False):
 # split-K: the simulator's tiles over a few slabs (the one-warp 32 x 32 tile adds its partials two splits at a
 # time, so more splits than that take several batches); on the GPU the skinny tiles
 SPLIT_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2), gp.PipelinedTile(32, 32, 16, 32, 32, 2)],
-                   list(gp.SKINNY_TILES.values()))
+                   list(mm.PIPELINED_SKINNY_TILES.values()))
 
 
 @pytest.mark.parametrize("tile", SPLIT_TILES, ids=lambda t: "x".join(map(str, t)))
@@ -948,22 +949,22 @@ def test_split_k_plans():
     weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
                (128256, 2048, False)]
     for bf16 in (False, True):
-        sizes_ = gp.split_workspace_sizes(weights, bf16)
-        for m in range(9, gp.SKINNY_MAX_M + 1):
+        sizes_ = mm.split_workspace_sizes(weights, bf16)
+        for m in range(9, mm.PIPELINED_SKINNY_MAX_M + 1):
             for n, k, gated in weights:
-                tile, splits = gp.skinny_plan(m, n, k, bf16, gated)
+                tile, splits = mm.skinny_plan(m, n, k, bf16, gated)
                 assert tile.bm >= m and (tile.bm == 16 or tile.bm // 2 < m)
                 slabs = -(-k // tile.bk)
-                assert splits in gp.valid_splits(tile, k) and (splits == 1 or slabs // splits >= gp.MIN_SPLIT_SLABS)
+                assert splits in gp.valid_splits(tile, k) and (splits == 1 or slabs // splits >= mm.MIN_SPLIT_SLABS)
                 tiles = gp.split_counters_size(tile, m, n, gated)
-                assert splits == 1 or tiles * (splits - 0.5) <= gp.SM_COUNT
+                assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
                 if splits > 1:
                     assert gp.split_partials_size(tile, m, n, splits, gated) <= sizes_[0]
                     assert tiles <= sizes_[1]
-    assert gp.skinny_plan(16, 3072, 2048, True) == (gp.SKINNY_TILES[16], 6)      # 24 tiles -> 144 blocks
-    assert gp.skinny_plan(64, 2048, 8192, True) == (gp.SKINNY_TILES[64], 8)      # down: 16 tiles -> 128
-    assert gp.skinny_plan(16, 16384, 2048, True, gated=True)[1] == 1           # gate/up: 128 tiles
-    assert gp.skinny_plan(64, 128256, 2048, True)[1] == 1                      # 1002 tiles: no split
+    assert mm.skinny_plan(16, 3072, 2048, True) == (mm.PIPELINED_SKINNY_TILES[16], 6)  # 24 tiles -> 144 blocks
+    assert mm.skinny_plan(64, 2048, 8192, True) == (mm.PIPELINED_SKINNY_TILES[64], 8)  # down: 16 tiles -> 128
+    assert mm.skinny_plan(16, 16384, 2048, True, gated=True)[1] == 1                  # gate/up: 128 tiles
+    assert mm.skinny_plan(64, 128256, 2048, True)[1] == 1                             # 1002 tiles: no split
 
 
 def test_split_k_rejects_bad_plans():
@@ -1054,26 +1055,27 @@ def test_gemm_pipelined_rejects_bad_arguments():
 @given(st.integers(1, 8192), st.integers(1, 131072), st.integers(1, 16384).map(lambda k: 8 * k))
 def test_pipelined_tile_policy(bf16_inputs, m, n, k):
     """The policy's tile is a timed candidate that fits the H200's 227 KB of shared memory, never takes 128
-    rows where 64 would pad M less, and has the wide tile's grid of at least MIN_BLOCKS blocks when it is
-    the wide tile."""
-    tile = gp.pipelined_tile(m, n, k, bf16_inputs)
-    assert tile in gp.CANDIDATES
+    rows where 64 would pad M less, and has the wide tile's grid of at least PIPELINED_MIN_BLOCKS blocks when
+    it is the wide tile."""
+    tile = mm.pipelined_tile(m, n, k, bf16_inputs)
+    assert tile in mm.PIPELINED_CANDIDATES
     assert gp.shared_bytes(tile, bf16_inputs) <= 227 * 1024
     if tile.bm == 128:
         assert -(-m // 128) * 128 <= -(-m // 64) * 64
-        assert -(-m // 128) * -(-n // tile.bn) >= gp.MIN_BLOCKS
+        assert -(-m // 128) * -(-n // tile.bn) >= mm.PIPELINED_MIN_BLOCKS
 
 
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 def test_pipelined_tile_policy_picks_the_measured_tiles(bf16_inputs):
-    """The choices gemm_pipelined.pipelined_tile's note measured: gate/up and QKV of the 1B model at M = 256,
+    """The choices matmul.pipelined_tile's note measured: gate/up and QKV of the 1B model at M = 256,
     the LM head at M = 64, and at M = 1024 QKV, O and down."""
-    assert gp.pipelined_tile(256, 16384, 2048, bf16_inputs) == (gp.WIDE_BF16 if bf16_inputs else gp.WIDE_FP32)
-    assert gp.pipelined_tile(256, 3072, 2048, bf16_inputs) == (gp.SMALL if bf16_inputs else gp.NARROW)
-    assert gp.pipelined_tile(64, 128256, 2048, bf16_inputs) == gp.NARROW
-    assert gp.pipelined_tile(1024, 3072, 2048, bf16_inputs) == (gp.WIDE_BF16 if bf16_inputs else gp.NARROW)
+    wide, narrow = mm.PIPELINED_WIDE_BF16 if bf16_inputs else mm.PIPELINED_WIDE_FP32, mm.PIPELINED_NARROW
+    assert mm.pipelined_tile(256, 16384, 2048, bf16_inputs) == wide
+    assert mm.pipelined_tile(256, 3072, 2048, bf16_inputs) == (mm.PIPELINED_SMALL if bf16_inputs else narrow)
+    assert mm.pipelined_tile(64, 128256, 2048, bf16_inputs) == narrow
+    assert mm.pipelined_tile(1024, 3072, 2048, bf16_inputs) == (mm.PIPELINED_WIDE_BF16 if bf16_inputs else narrow)
     for n, k in ((2048, 2048), (2048, 8192)):   # O, down
-        assert gp.pipelined_tile(1024, n, k, bf16_inputs) == (gp.WIDE_BF16_DEEP if bf16_inputs else gp.NARROW)
+        assert mm.pipelined_tile(1024, n, k, bf16_inputs) == (mm.PIPELINED_WIDE_BF16_DEEP if bf16_inputs else narrow)
 
 
 def test_gemm_pipelined_shared_memory():

@@ -76,7 +76,7 @@ def gemm_steps(real: bool) -> list[Step]:
     for bf16 in (False, True):
         mode, peak = ("bf16 inputs", MMA_PEAK_TFLOPS) if bf16 else ("fp32 (bf16x3)", MMA_PEAK_TFLOPS / 3)
         workspace = cuda.device_array(gp.workspace_size(m, k, bf16), np.uint16)
-        tile = gp.pipelined_tile(m, n, k, bf16) if real else gp.SIM_TILE
+        tile = mm.pipelined_tile(m, n, k, bf16) if real else gp.SIM_TILE
 
         def pipelined(x, w, out, stream, workspace=workspace, **kwargs):
             gp.gemm_pipelined(x, w, out, workspace, stream, **kwargs)

@@ -184,7 +184,7 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
     return out
 
 
-def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDATES) -> list[Case]:
+def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=mm.PIPELINED_CANDIDATES) -> list[Case]:
     """gemm_pipelined (the planes kernel included, as the engine runs it) in every tile of `tiles` that fits,
     next to gemm_tc's policy tile, both modes, at each M; the LM head only up to M = 256 (the engine computes
     logits for sampled rows only)."""
@@ -207,7 +207,7 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=gp.CANDIDA
                 chosen = mm.gemm_tc_tile(m, n, k, bf16)
                 out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", tc.gemm_tc, x, w, dx, dw, None,
                                  tile=chosen, bf16_inputs=bf16))
-                policy = gp.pipelined_tile(m, n, k, bf16)
+                policy = mm.pipelined_tile(m, n, k, bf16)
                 for tile in (policy, *(t for t in tiles if t != policy)):
                     if gp.shared_bytes(tile, bf16) > OPT_IN_SHARED_LIMIT:
                         continue
@@ -294,10 +294,10 @@ SKINNY_MS = (16, 32, 64, 128)
 def skinny_variants(m: int, n: int, k: int, bf16_inputs: bool) -> list[tuple[gp.PipelinedTile, int]]:
     """(tile, splits) worth timing against the skinny plan at (m, n, k): the plan, half and twice its splits,
     and its tile with 64 weight rows a block, and with 3 and 6 stages (each with its own plan's splits)."""
-    tile, splits = gp.skinny_plan(m, n, k, bf16_inputs)
+    tile, splits = mm.skinny_plan(m, n, k, bf16_inputs)
     tiles = [tile, tile._replace(bn=64), tile._replace(stages=3), tile._replace(stages=6)]
     out = [(tile, splits), (tile, max(1, splits // 2)), (tile, splits * 2)]
-    out += [gp.skinny_plan(m, n, k, bf16_inputs, tile=t) for t in tiles[1:]]
+    out += [mm.skinny_plan(m, n, k, bf16_inputs, tile=t) for t in tiles[1:]]
     valid = []
     for t, s in out:
         if (t, s) not in valid and s in gp.valid_splits(t, k) and gp.shared_bytes(t, bf16_inputs) <= OPT_IN_SHARED_LIMIT:
@@ -357,7 +357,7 @@ def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=GEMV_TC_CANDIDATES, col
             x = rng.standard_normal((m, k), dtype=np.float32)
             planes = cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, cols), np.float32)
-            tile, splits = gp.skinny_plan(m, n, k, True, gated)
+            tile, splits = mm.skinny_plan(m, n, k, True, gated)
             split_ws = (cuda.device_array(max(1, gp.split_partials_size(tile, m, n, splits, gated)), np.float32),
                         cuda.to_device(np.zeros(gp.split_counters_size(tile, m, n, gated), np.int32)))
 
@@ -545,7 +545,7 @@ def main() -> None:
     if args.skinny:
         print("| case | time (us) | weight GB/s |")
         print("| --- | ---: | ---: |")
-        ms = [m for m in args.m if 8 < m <= gp.SKINNY_MAX_M] or SKINNY_MS
+        ms = [m for m in args.m if 8 < m <= mm.PIPELINED_SKINNY_MAX_M] or SKINNY_MS
         for case in skinny_cases(ms, args.weights, bf16_inputs=not args.fp32):
             seconds = checked_time(case)
             if isinstance(seconds, str):
