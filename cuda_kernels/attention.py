@@ -40,6 +40,7 @@ Versions:
   owns key j of the tile), and updates each row's online softmax state: running max m, per-lane running sum
   l, unnormalised accumulator acc (lane i owns dims i, i + 32, ...), rescaled by exp(m_old - m_new) when the
   max grows. Nothing of size context is ever held, so any context length works, in one pass over K and V.
+  ROWS and WARPS are the launcher's rows and warps (attention_policy.prefill_flash_config picks them).
 
 The step from naive to flash: the naive kernel needs the max of the whole row before it can exponentiate
 anything, so it holds (or recomputes) every score; the online softmax exponentiates against the max seen so
@@ -65,10 +66,6 @@ U64_ZERO = np.uint64(0)        # typed constants (a numba type cast is slow in t
 TILE = WARP                    # keys per tile: one key per lane when scoring
 NAIVE_MAX_CONTEXT = 8192       # the naive kernel's row of scores lives in shared memory (32 KB)
 SHARED_BUDGET = 48 * 1024      # static shared memory per block without the opt-in attribute
-
-# Flash prefill: query rows per block and warps per block. The simulator runs one Python thread per CUDA
-# thread and every warp reduction there is two block barriers: it gets smaller blocks (same code path).
-PREFILL_WARPS = 2 if SIMULATOR else 4
 
 # ---------------------------------------------------------------------------------------------------------
 # device helpers
@@ -424,31 +421,35 @@ def cache_words(cache):
     return view(cache, dtype=np.uint64)
 
 
-def prefill_rows_per_block(head_dim: int) -> int:
-    """Query rows per flash block: the most (64, 32 or 16, fewer in the simulator) whose tiles fit in 48 KB."""
-    for rows in ((16, 8) if SIMULATOR else (64, 32, 16)):
-        floats = rows * head_dim + TILE * (head_dim + 1) + TILE * head_dim + rows * TILE + rows
-        if 4 * floats <= SHARED_BUDGET:
-            return rows
-    raise AssertionError("unreachable for head_dim <= 128")
+def flash_shared_bytes(head_dim: int, rows: int) -> int:
+    """Static shared memory of a flash block of `rows` query rows: the rows, a K tile (padded rows) and a V tile
+    widened to fp32, each row's scores of a tile and its 1 / sum (the kernel's arena)."""
+    return 4 * (rows * head_dim + TILE * (head_dim + 1) + TILE * head_dim + rows * TILE + rows)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len,
-                      stream=0, k_scale=1.0, v_scale=1.0):
+                      stream=0, *, warps, rows, k_scale=1.0, v_scale=1.0):
     """out (T, Hq, d) <- causal attention of every sequence's new tokens over its paged context.
 
     max_q_len: the longest q_len in the batch (host int; it sizes the grid). The caches in any format
-    (kv_format); k_scale, v_scale: the fp8 cache's per-tensor scales."""
+    (kv_format); k_scale, v_scale: the fp8 cache's per-tensor scales.
+    The configuration is the caller's (attention_policy.prefill_flash_config picks it by head_dim): warps per
+    block and query rows per block, a multiple of warps, whose block fits SHARED_BUDGET (flash_shared_bytes)."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
     fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
+    if warps < 1 or rows < warps or rows % warps:
+        raise ValueError(f"prefill_attention: rows must be a positive multiple of warps, got {rows} rows of "
+                         f"{warps} warps")
+    if flash_shared_bytes(d, rows) > SHARED_BUDGET:
+        raise ValueError(f"prefill_attention: {rows} rows of head_dim {d} need {flash_shared_bytes(d, rows)} bytes "
+                         f"of shared memory, more than {SHARED_BUDGET}")
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or max_q_len == 0:
         return
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    rows = prefill_rows_per_block(d)
-    kernel = _flash_kernel(d, block_size, rows, PREFILL_WARPS, fmt)
+    kernel = _flash_kernel(d, block_size, rows, warps, fmt)
     grid = (num_seqs, -(-max_q_len * group // rows), num_kv_heads)
-    launch(kernel, grid, PREFILL_WARPS * WARP, stream, q, cache_words(k_cache), cache_words(v_cache), block_tables,
+    launch(kernel, grid, warps * WARP, stream, q, cache_words(k_cache), cache_words(v_cache), block_tables,
            cu_seqlens_q, context_lens, scale, v_scale, out)

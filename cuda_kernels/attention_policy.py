@@ -15,7 +15,8 @@ Decode, paged_attention_gqa.paged_attention (decode_config gathers the three cho
 Prefill:
 - uses_prefill_tc: attention_tc.prefill_attention_tc where the head size and the KV format allow, else
   attention.prefill_attention (the SIMT flash kernel);
-- prefill_tc_config: the tensor-core kernel's warps and keys per K/V tile, by head_dim.
+- prefill_tc_config: the tensor-core kernel's warps and keys per K/V tile, by head_dim;
+- prefill_flash_config: the SIMT flash kernel's warps and query rows per block, by head_dim.
 The numbers behind each choice are in docs/performance.md, "decode attention" and "prefill attention (tensor
 cores)".
 """
@@ -38,6 +39,11 @@ SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
 TARGET_BLOCKS = 512
+# The SIMT flash prefill's warps per block, and the query rows per block it tries, most first. The simulator
+# runs one Python thread per CUDA thread and every warp reduction there is two block barriers: it gets smaller
+# blocks (same code path).
+PREFILL_FLASH_WARPS = 2 if SIMULATOR else 4
+PREFILL_FLASH_ROWS = (16, 8) if SIMULATOR else (64, 32, 16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,6 +135,15 @@ def prefill_tc_config(head_dim: int) -> tuple[int, int]:
     return (4, 64) if head_dim <= 64 else (2, 16)
 
 
+def prefill_flash_config(head_dim: int) -> tuple[int, int]:
+    """(warps per block, query rows per block) of attention.prefill_attention for head_dim: PREFILL_FLASH_WARPS,
+    and the most rows of PREFILL_FLASH_ROWS whose block fits the kernel's static shared memory
+    (attention.SHARED_BUDGET; 64, 32 or 16 for head_dim up to 128, the kernel's limit; past it the fewest, for
+    the launcher to refuse)."""
+    fits = (r for r in PREFILL_FLASH_ROWS if attention.flash_shared_bytes(head_dim, r) <= attention.SHARED_BUDGET)
+    return PREFILL_FLASH_WARPS, next(fits, PREFILL_FLASH_ROWS[-1])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # entry points
 
@@ -153,7 +168,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
                       stream=0, k_scale=1.0, v_scale=1.0):
     """out (T, Hq, d) <- causal prefill attention, as the engine runs it (attention.prefill_attention's
     arguments and result): the tensor-core kernel in prefill_tc_config's configuration where uses_prefill_tc
-    says, else the SIMT flash kernel."""
+    says, else the SIMT flash kernel in prefill_flash_config's."""
     head_dim = q.shape[2]
     if uses_prefill_tc(head_dim, kv_format.format_of(k_cache)):
         warps, keys = prefill_tc_config(head_dim)
@@ -161,5 +176,6 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
                                           out, max_q_len, stream, warps=warps, keys_per_tile=keys,
                                           k_scale=k_scale, v_scale=v_scale)
     else:
+        warps, rows = prefill_flash_config(head_dim)
         attention.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
-                                    max_q_len, stream, k_scale, v_scale)
+                                    max_q_len, stream, warps=warps, rows=rows, k_scale=k_scale, v_scale=v_scale)

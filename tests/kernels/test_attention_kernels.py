@@ -154,6 +154,13 @@ def devices(*arrays):
 FAST_CONFIG = dict(lanes_per_key=8, warps=2)
 
 
+def prefill_flash(q, *args, **kwargs):
+    """attention.prefill_attention (same arguments) in attention_policy.prefill_flash_config's configuration for
+    q's head_dim."""
+    warps, rows = attention_policy.prefill_flash_config(q.shape[2])
+    attention.prefill_attention(q, *args, warps=warps, rows=rows, **kwargs)
+
+
 def prefill_tc(q, *args, keys_per_tile=None, **kwargs):
     """attention_tc.prefill_attention_tc (same arguments) in attention_policy.prefill_tc_config's configuration
     for q's head_dim; keys_per_tile: another tile size."""
@@ -518,7 +525,7 @@ def run_prefill(launcher, rng, chunks, hkv, group, d, block_size, kind, fmt=("bf
 @example(seed=2, chunks=[(5, 30)], hg=(1, 3), d=24, block_size=3, kind="normal", fmt=KV_FORMATS[2])
 @example(seed=3, chunks=[(4, 33), (2, 0)], hg=(1, 2), d=8, block_size=16, kind="normal", fmt=KV_FORMATS[4])
 def test_prefill_attention_matches_reference(seed, chunks, hg, d, block_size, kind, fmt):
-    run_prefill(attention.prefill_attention, np.random.default_rng(seed), chunks, *hg, d, block_size, kind, fmt)
+    run_prefill(prefill_flash, np.random.default_rng(seed), chunks, *hg, d, block_size, kind, fmt)
 
 
 @settings(max_examples=examples(5, 30))
@@ -571,7 +578,7 @@ def test_transpose_bf16x4():
     assert np.array(columns, np.uint64).view(np.uint16).reshape(4, 4).tolist() == m.T.tolist()
 
 
-@pytest.mark.parametrize("launcher", [attention.prefill_attention, prefill_tc, attention_policy.prefill_attention])
+@pytest.mark.parametrize("launcher", [prefill_flash, prefill_tc, attention_policy.prefill_attention])
 def test_prefill_one_query_per_sequence_equals_decode(launcher):
     """q_len 1 at the end of each context is exactly a decode step."""
     rng = np.random.default_rng(1)
@@ -686,7 +693,7 @@ def test_split_launcher_errors(shapes, partition_size, message):
                                                    device_empty((2, 4, 16), np.float32))
 
 
-@pytest.mark.parametrize("launcher", [attention.prefill_attention, attention.prefill_attention_naive, prefill_tc,
+@pytest.mark.parametrize("launcher", [prefill_flash, attention.prefill_attention_naive, prefill_tc,
                                       attention_policy.prefill_attention])
 @pytest.mark.parametrize("changes, message", [
     (dict(cu_seqlens_q=np.zeros(2, np.int32)), "cu_seqlens_q"),
@@ -715,6 +722,30 @@ def test_prefill_tc_launcher_errors(d, warps, keys, message):
         attention_tc.prefill_attention_tc(**_prefill_args(**changes), warps=warps, keys_per_tile=keys)
 
 
+@pytest.mark.parametrize("warps, rows, message", [(0, 16, "rows must be a positive multiple of warps"),
+                                                  (4, 2, "rows must be a positive multiple of warps"),
+                                                  (4, 18, "rows must be a positive multiple of warps"),
+                                                  (4, 512, "more than 49152")])
+def test_prefill_flash_launcher_errors(warps, rows, message):
+    """Configurations the SIMT flash kernel cannot run: rows that the warps do not share evenly, a block past
+    the static shared memory."""
+    with pytest.raises(ValueError, match=message):
+        attention.prefill_attention(**_prefill_args(), warps=warps, rows=rows)
+
+
+def test_prefill_flash_config():
+    """The most rows of PREFILL_FLASH_ROWS whose block fits the static shared memory, for every head_dim the
+    kernel takes; the launcher accepts every pick."""
+    budget, candidates = attention.SHARED_BUDGET, attention_policy.PREFILL_FLASH_ROWS
+    for d in range(8, 129, 8):
+        warps, rows = attention_policy.prefill_flash_config(d)
+        assert warps == attention_policy.PREFILL_FLASH_WARPS and rows in candidates and rows % warps == 0
+        assert attention.flash_shared_bytes(d, rows) <= budget
+        assert all(attention.flash_shared_bytes(d, r) > budget for r in candidates if r > rows)
+    if not SIM:
+        assert [attention_policy.prefill_flash_config(d)[1] for d in (64, 128)] == [64, 16]
+
+
 def test_kv_formats_the_simple_kernels_refuse():
     """v1 and split read bf16 only, the tensor-core prefill bf16 and fp8; the scales are fp8's alone. Each says
     so, naming the kernels that take the format."""
@@ -736,8 +767,8 @@ def test_kv_formats_the_simple_kernels_refuse():
     with pytest.raises(ValueError, match="a bf16 cache takes 1.0"):
         paged_attention_gqa.paged_attention(**_decode_args(), **FAST_CONFIG, k_scale=0.5)
     with pytest.raises(ValueError, match="positive and finite"):
-        attention.prefill_attention(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.uint8),
-                                                    v_cache=np.zeros((3, 4, 2, 16), np.uint8)), v_scale=-1.0)
+        prefill_flash(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.uint8),
+                                      v_cache=np.zeros((3, 4, 2, 16), np.uint8)), v_scale=-1.0)
 
 
 def _prefill_args(**changes):

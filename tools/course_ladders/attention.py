@@ -71,10 +71,11 @@ def prefill_steps(real: bool) -> list[Step]:
         return run
 
     warps, keys = attention_policy.prefill_tc_config(d)
+    flash_warps, rows = attention_policy.prefill_flash_config(d)
     rungs = [("7a prefill_attention_naive", "whole rows of scores in shared memory, three passes",
               attention.prefill_attention_naive, FMA_PEAK_TFLOPS),
              ("7b prefill_attention (flash)", "one pass, online softmax; K/V tiles shared by a block's rows",
-              attention.prefill_attention, FMA_PEAK_TFLOPS),
+              partial(attention.prefill_attention, warps=flash_warps, rows=rows), FMA_PEAK_TFLOPS),
              ("7c prefill_attention_tc", "both products on mma.sync; S and P stay in registers",
               partial(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys), MMA_PEAK_TFLOPS / 3)]
     return [Step(version, idea, _case(version, runner(launcher), out, want, atol, flops=flops), peak)

@@ -187,9 +187,11 @@ def _prefill_cases(rng, chunks, naive=False):
         layout = " + ".join(f"{n} tokens after {cached} cached" for n, cached in chunks)
     shape = f"{layout}, {HQ}/{HKV} heads, d {D}"
     warps, keys = attention_policy.prefill_tc_config(D)
+    flash_warps, rows = attention_policy.prefill_flash_config(D)
     variants = [(f"prefill_attention_tc ({warps} warps, {keys}-key tiles) {shape}",
                  runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys)),
-                (f"prefill_attention (flash, fp32 SIMT) {shape}", runner(attention.prefill_attention))]
+                (f"prefill_attention (flash, fp32 SIMT) {shape}",
+                 runner(attention.prefill_attention, warps=flash_warps, rows=rows))]
     if len(chunks) == 1:
         variants.insert(1, (f"prefill_attention_tc ({warps} warps, 32-key tiles) {shape}",
                             runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=32)))
