@@ -4,21 +4,21 @@
 
 Shapes and dtypes (device arrays):
     logits (S, V) float32 (any strides); out (S,) int32
-    argmax with a workspace: workspace (n,) int32, n >= argmax_workspace_size(S, V); its first S * P elements
-    hold the partials, part_index[s * P + p] = the best index of partition p of row s
+    argmax with P > 1 partitions: workspace (n,) int32, n >= S * P; its first S * P elements hold the
+    partials, part_index[s * P + p] = the best index of partition p of row s
 Twin: reference.sampling.sample at temperature 0 (numpy.argmax per row).
 
 Thread mapping:
     argmax_naive  grid = ceil(S / threads); one thread per row walks the whole row.
     argmax        grid = (S,); one block per row; thread t reads l[t], l[t + threads], ... (coalesced) and
                   the block reduces (value, index) pairs through shared memory.
-    argmax (workspace=) split in two kernels, P and chunk = ceil(V / P) from argmax_partitions(S, V):
+    argmax (partitions=) split in two kernels, P and chunk = ceil(V / P) from the launcher's partitions:
                   stage 1  grid = (S, P); block (s, p) reduces l[s, p*chunk : (p+1)*chunk] with the strided
                            mapping, UNROLL loads in flight per thread before it compares any, and writes the
                            best index to the workspace (P = 1: to out, and stage 2 is skipped);
                   stage 2  grid = (S,); thread t of row s's block reads partial t, re-reads its logit, and
                            the block reduces the P pairs under the same order.
-                  P aims at about TARGET_BLOCKS blocks in all with chunks of at least MIN_CHUNK elements.
+                  The engine's P is sampling_policy.argmax_partitions(S, V) (sampling_policy.greedy).
     Block sizes: 32-1024, powers of two (whole warps).
 
 The block-wide reductions and scans here (_block_argmax, _block_max, _block_sum, _block_scan2) go through
@@ -31,7 +31,7 @@ Versions:
     argmax        v2: one block per row, strided loads (coalesced), two-level (value, index) reduction in
                   shared memory. A row per block leaves most SMs idle at small batches, and one load in
                   flight per thread starves it at large ones.
-    argmax        v3 (with workspace=): split over (row, partition) blocks so that even one row fills the
+    argmax        v3 (with partitions=): split over (row, partition) blocks so that even one row fills the
                   GPU, UNROLL loads in flight per thread, a second kernel merges P indices per row;
                   bit-identical tokens to v2 (the order is total). What the engine runs.
 Measured times of each version: docs/course/09-sampling.md.
@@ -52,14 +52,8 @@ from cuda_kernels.primitives import WARP
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
 DEFAULT_THREADS = 64 if SIMULATOR else 512   # the simulator runs a Python thread per CUDA thread
 NO_INDEX = 2 ** 31 - 1            # an index larger than any real one: loses every tie in the argmax
-#: split argmax (argmax with a workspace): block size of stage 1, loads each thread issues before it compares
-#: any, the grid it aims for (about 8 blocks per SM of the H200's 132) and the smallest chunk worth a block
-# NOTE: 128 threads per block was the best, or within 1% of it, of 128, 256 and 512 at 1, 64 and 256 rows of
-# V = 128256 (docs/performance.md, "split argmax").
-SPLIT_THREADS = 32 if SIMULATOR else 128
+#: split argmax: loads each thread issues before it compares any
 UNROLL = 8
-TARGET_BLOCKS = 1024
-MIN_CHUNK = 2048
 
 
 def _jit_options(threads):
@@ -392,32 +386,11 @@ def argmax_naive(logits, out, stream=0, threads=64):
     launch(_argmax_naive_kernel, (num_seqs + threads - 1) // threads, threads, stream, logits, out)
 
 
-def argmax_partitions(num_rows, vocab):
-    """(P, chunk) of the split argmax from shapes only (CUDA-graph safe): enough partitions per row for about
-    TARGET_BLOCKS blocks in all, each chunk at least MIN_CHUNK elements (so P <= V // MIN_CHUNK); P = 1 (no
-    stage 2, no workspace) once the rows alone fill the grid or V < 2 * MIN_CHUNK. Llama 3's V = 128256:
-    62 x 2069 at 1 row, 16 x 8016 at 64 rows, 4 x 32064 at 256 (1 row: 62 blocks, at most one per SM)."""
-    wanted = -(-TARGET_BLOCKS // max(1, int(num_rows)))
-    most = int(vocab) // MIN_CHUNK
-    return _partition(vocab, max(1, min(wanted, most)))
-
-
 def _partition(vocab, partitions):
     """(P, chunk) for at most `partitions` chunks: chunk = ceil(V / partitions), then P = ceil(V / chunk), so
     that no partition is empty (V = 9 in 4 asks gives 3 chunks of 3)."""
     chunk = -(-int(vocab) // int(partitions))
     return -(-int(vocab) // chunk), chunk
-
-
-def argmax_workspace_size(num_rows, vocab) -> int:
-    """int32 elements of the split argmax's workspace for every batch of up to num_rows rows of V logits (the
-    runner allocates it once for max_num_seqs; `argmax(..., workspace=)`). At least 1, so it can be allocated."""
-    most = 0
-    for s in range(1, min(int(num_rows), TARGET_BLOCKS) + 1):  # from TARGET_BLOCKS rows on, P = 1
-        parts, _ = argmax_partitions(s, vocab)
-        if parts > 1:
-            most = max(most, s * parts)
-    return max(1, most)
 
 
 def _check_workspace(workspace, dtype, needed, missing, layout):
@@ -435,44 +408,43 @@ def _check_workspace(workspace, dtype, needed, missing, layout):
                          f"{tuple(workspace.shape)}")
 
 
-def _split_shape(num_seqs, vocab, partitions):
-    """(P, chunk) of a split kernel: the policy (argmax_partitions), or a checked override."""
+def _split_shape(vocab, partitions, workspace):
+    """(P, chunk) of a split kernel for the launcher's partitions (checked); a workspace without partitions is
+    refused (the one-block-per-row versions take none)."""
     if partitions is None:
-        return argmax_partitions(num_seqs, vocab)
+        if workspace is not None:
+            raise ValueError("a workspace is for the split kernels: pass partitions too (the engine's: "
+                             "sampling_policy.argmax_partitions)")
+        return None
     if isinstance(partitions, bool) or int(partitions) != partitions or partitions < 1:
         raise ValueError(f"partitions must be a positive int, got {partitions!r}")
     return _partition(vocab, partitions)
 
 
-def argmax(logits, out, stream=0, threads=None, *, workspace=None, partitions=None):
+def argmax(logits, out, stream=0, threads=DEFAULT_THREADS, *, workspace=None, partitions=None):
     """Greedy tokens: out[s] = the lowest index of the largest logit of row s (numpy.argmax exactly).
 
-    workspace: None, or an int32 device array of at least argmax_workspace_size(max rows, V) elements (the
-    runner allocates one for max_num_seqs and passes it on every call). Without it: v2, one block per row
-    (threads defaults to DEFAULT_THREADS). With it: v3, the split argmax, P = argmax_partitions(S, V)
-    partitions per row; stage 1 writes one index per (row, partition) to the front of the workspace and stage
-    2 reduces each row's P of them (threads defaults to SPLIT_THREADS, stage 2 picks its own). Its contents
-    before the call do not matter.
-    partitions: override the policy (tests and benchmarks): any positive int is correct, at most V are used
-    (see _partition); with partitions given, v3 runs even without a workspace when that makes P = 1.
+    partitions None: v2, one block per row of `threads` threads. partitions given: v3, the split argmax, each
+    row in at most that many chunks (any positive int is correct, at most V are used: see _partition; the
+    engine's is sampling_policy.argmax_partitions(S, V), through sampling_policy.greedy); stage 1 (blocks of
+    `threads`) writes one index per (row, partition) to the front of workspace, an int32 device array of at
+    least S * P elements (the engine's: sampling_policy.argmax_workspace_size; none needed when P = 1), and
+    stage 2 reduces each row's P of them with its own block size. Its contents before the call do not matter.
     Both versions give bit-identical tokens on every run: `_beats` is a strict total order on (value, index)
     pairs, so the order in which pairs are combined cannot change the answer.
     """
     num_seqs, vocab = _check_logits(logits, out)
-    if workspace is None and partitions is None:
-        threads = DEFAULT_THREADS if threads is None else threads
-        _check_threads(threads)
+    _check_threads(threads)
+    split = _split_shape(vocab, partitions, workspace)
+    if split is None:
         if num_seqs == 0:
             return
         launch(_argmax_kernel(threads), num_seqs, threads, stream, logits, out)
         return
-    threads = SPLIT_THREADS if threads is None else threads
-    _check_threads(threads)
-    parts, chunk = _split_shape(num_seqs, vocab, partitions)
+    parts, chunk = split
     if parts > 1:
         _check_workspace(workspace, np.int32, num_seqs * parts, f"{parts} partitions",
-                         f"{num_seqs} rows x {parts} partitions; argmax_workspace_size({num_seqs}, {vocab}) = "
-                         f"{argmax_workspace_size(num_seqs, vocab)}")
+                         f"{num_seqs} rows x {parts} partitions")
     if num_seqs == 0:
         return
     if parts == 1:  # stage 1 alone: its one partial per row is the token

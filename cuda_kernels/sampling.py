@@ -19,7 +19,7 @@ Math (per row s of logits l, vocabulary size V; exactly reference/sampling.py):
 Shapes and dtypes (device arrays):
     logits (S, V) float32 (any strides); out (S,) int32
     sample: temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32; uniform in [0, 1)
-    sample with a workspace: workspace (n,) uint64, n >= sample_workspace_size(S, V); its front holds, in
+    sample with partitions: workspace (n,) uint64, n >= workspace_elements(S, P, T); its front holds, in
     this order (P partitions, T threads per block; a unit is thread t's contiguous sub-chunk of partition p,
     [p*chunk + t*sub, ... + sub) with sub = ceil(chunk / T), numbered p*T + t, so units run in vocabulary order):
         hist        (S, 3, 1024) uint64   the current digit's count_k, count_p, mass_p of each row
@@ -34,9 +34,10 @@ Thread mapping (the greedy answer comes first, as argmax.py computes it):
                   for the draw thread t owns the contiguous chunk [t*C, (t+1)*C), C = ceil(V / threads).
                   Static shared memory: 28 * threads bytes + 17 KB of histograms (45 KB at 1024 threads,
                   under the 48 KB static limit).
-    sample (workspace=) ten kernels, P and chunk from argmax_partitions(S, V) as the split argmax, T threads
-                  (SPLIT_THREADS) in every kernel; (S, P) kernels use the strided mapping within a partition,
-                  UNROLL loads in flight per thread; a row already decided makes the later kernels return:
+    sample (partitions=) ten kernels, P and chunk from the launcher's partitions as the split argmax (the
+                  engine's: sampling_policy), T threads in every kernel; (S, P) kernels use the strided mapping
+                  within a partition, UNROLL loads in flight per thread; a row already decided makes the later
+                  kernels return:
                   max      (S, P) the partition's best index (and min for T < 0); resets part_last, histograms
                   sum      (S, P) merges the P winners itself (max z), float64 partial sum of e; block (s, 0)
                            stores the greedy token, max z and where the searches start
@@ -84,7 +85,7 @@ sampling_steps.py; the block reductions and the greedy passes in argmax.py.
 Versions:
     sample        v1: one block per row; radix-select thresholds, fixed-point masses, two-level inverse CDF.
                   A row per block leaves most SMs idle at small batches.
-    sample        v2 (with workspace=): the same passes split over (row, partition) blocks, ten kernels with
+    sample        v2 (with partitions=): the same passes split over (row, partition) blocks, ten kernels with
                   per-row decisions in between, nothing read back to the host (CUDA-graph safe). Tokens equal
                   v1's: thresholds and draws are the same integer searches on the same float32 p; only sum e
                   is added in another order (float64, rounded once), which moves a token only if that sum lies
@@ -100,10 +101,9 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
-from cuda_kernels.argmax import (DEFAULT_THREADS, SPLIT_THREADS, TARGET_BLOCKS, UNROLL, _block_argmax, _block_max,
-                                 _block_scan2, _block_sum, _check, _check_logits, _check_threads, _check_workspace,
-                                 _chunk_argmax, _jit_options, _load_round, _merge_argmax, _row_argmax, _split_shape,
-                                 argmax_partitions)
+from cuda_kernels.argmax import (DEFAULT_THREADS, UNROLL, _block_argmax, _block_max, _block_scan2, _block_sum,
+                                 _check, _check_logits, _check_threads, _check_workspace, _chunk_argmax, _jit_options,
+                                 _load_round, _merge_argmax, _row_argmax, _split_shape)
 from cuda_kernels.launch import launch
 from cuda_kernels.primitives import WARP
 from cuda_kernels.sampling_steps import (GREEDY, K_DONE, K_LEFT, K_PREFIX, P_DONE, P_LEFT, P_PREFIX, RADIX_BINS,
@@ -217,7 +217,7 @@ def _sample_kernel(threads):
     return sample_kernel
 
 
-# The split sample (`sample(..., workspace=)`): ten kernels, each pass over the rows a grid (S, P) over P
+# The split sample (`sample(..., partitions=)`): ten kernels, each pass over the rows a grid (S, P) over P
 # partitions of chunk elements, a per-row kernel wherever a pass needs a decision made from all partitions.
 # Every kernel reads what the earlier ones left in the workspace (sections named as in the module docstring)
 # and does nothing for a row that is already decided, so the launch sequence depends on shapes only.
@@ -519,51 +519,39 @@ def _sample_sections(workspace, num_rows, parts, threads):
     return offset if workspace is None else views
 
 
-def sample_workspace_size(num_rows, vocab, threads=None) -> int:
-    """uint64 elements of the split sample's workspace for every batch of up to num_rows rows of V logits, at
-    the launcher's policy and `threads` (default SPLIT_THREADS): the runner allocates it once for
-    max_num_seqs (`sample(..., workspace=)`). At least 1, so it can be allocated. Llama 3's V = 128256 at
-    128 threads: 256 rows need 7.4 MB, one row 0.09 MB."""
-    threads = SPLIT_THREADS if threads is None else threads
-    # from TARGET_BLOCKS rows on P = 1, and the size only grows with the rows
-    counts = list(range(1, min(int(num_rows), TARGET_BLOCKS) + 1)) + [int(num_rows)]
-    return max([1] + [_sample_sections(None, s, argmax_partitions(s, vocab)[0], threads)
-                      for s in counts if s > 0])
+def workspace_elements(num_rows, parts, threads) -> int:
+    """uint64 elements of the split sample's workspace for num_rows rows in `parts` partitions of `threads`
+    threads (the engine's size for every batch up to a size: sampling_policy.sample_workspace_size)."""
+    return _sample_sections(None, num_rows, parts, threads)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, threads=None, *, workspace=None,
-           partitions=None):
+def sample(logits, temperature, top_k, top_p, min_p, uniform, out, stream=0, threads=DEFAULT_THREADS, *,
+           workspace=None, partitions=None):
     """Next tokens as reference/sampling.sample; every argument is a device array.
 
     temperature, top_p, min_p, uniform (S,) float32; top_k (S,) int32 (0 or >= V: off); out (S,) int32.
-    workspace: None, or a uint64 device array of at least sample_workspace_size(max rows, V) elements (the
-    runner allocates one for max_num_seqs and passes it on every call; its contents before the call do not
-    matter). Without it: v1, one block per row (threads defaults to DEFAULT_THREADS). With it: v2, the split
-    sample, ten kernels over P = argmax_partitions(S, V) partitions per row (threads defaults to
-    SPLIT_THREADS, for every kernel of the sequence).
-    partitions: override the policy (tests and benchmarks): any positive int is correct, at most V are used;
-    v2 always needs a workspace (its histograms and row state live there), also for P = 1.
+    partitions None: v1, one block per row of `threads` threads. partitions given: v2, the split sample, ten
+    kernels of `threads` threads over at most that many partitions per row (any positive int is correct, at
+    most V are used; the engine's: sampling_policy.argmax_partitions, through sampling_policy.sample), on
+    workspace, a uint64 device array of at least workspace_elements(S, P, threads) elements (its histograms
+    and row state live there, so P = 1 needs one too; its contents before the call do not matter).
     """
     num_seqs, vocab = _check_logits(logits, out)
     for name, array, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
                                ("top_p", top_p, np.float32), ("min_p", min_p, np.float32),
                                ("uniform", uniform, np.float32)):
         _check(name, array, dtype, (num_seqs,))
-    if workspace is None and partitions is None:
-        threads = DEFAULT_THREADS if threads is None else threads
-        _check_threads(threads)
+    _check_threads(threads)
+    split = _split_shape(vocab, partitions, workspace)
+    if split is None:
         if num_seqs == 0:
             return
         launch(_sample_kernel(threads), num_seqs, threads, stream, logits, temperature, top_k, top_p, min_p,
                uniform, out)
         return
-    threads = SPLIT_THREADS if threads is None else threads
-    _check_threads(threads)
-    parts, chunk = _split_shape(num_seqs, vocab, partitions)
-    _check_workspace(workspace, np.uint64, _sample_sections(None, num_seqs, parts, threads),
-                     "the split sample's kernels", f"{num_seqs} rows x {parts} partitions x {threads} threads; "
-                     f"sample_workspace_size({num_seqs}, {vocab}, {threads}) = "
-                     f"{sample_workspace_size(num_seqs, vocab, threads)}")
+    parts, chunk = split
+    _check_workspace(workspace, np.uint64, workspace_elements(num_seqs, parts, threads),
+                     "the split sample's kernels", f"{num_seqs} rows x {parts} partitions x {threads} threads")
     if num_seqs == 0:
         return
     hist, state, zstate, part_index, part_low, part_sum, part_last, unit_mass = \

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import argmax, attention_policy, embedding, gemm_pipelined, matmul, rmsnorm, sampling
+from cuda_kernels import attention_policy, embedding, gemm_pipelined, matmul, rmsnorm, sampling_policy
 from cuda_kernels import kv_cache, kv_format, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
@@ -144,10 +144,10 @@ class CUDARunner:
         self._prefix_cache: dict[tuple[int, int], dict] = {}
         # two host copies of them, so a step's tokens can be read while the next step's are on their way
         self.tokens_host = [cuda.pinned_array(s, np.int32) for _ in range(2)]
-        # the split argmax's per-chunk winners (argmax.argmax_workspace_size)
-        self.argmax_workspace = empty(argmax.argmax_workspace_size(s, c.vocab_size), np.int32)
-        # the split sample's histograms, row state and partials (sampling.sample_workspace_size)
-        self.sample_workspace = empty(sampling.sample_workspace_size(s, c.vocab_size), np.uint64)
+        # the split argmax's per-chunk winners (sampling_policy.argmax_workspace_size)
+        self.argmax_workspace = empty(sampling_policy.argmax_workspace_size(s, c.vocab_size), np.int32)
+        # the split sample's histograms, row state and partials (sampling_policy.sample_workspace_size)
+        self.sample_workspace = empty(sampling_policy.sample_workspace_size(s, c.vocab_size), np.uint64)
         self._features: dict | None = None   # the penalties', logprobs' and block copies' buffers (_feature)
 
         itemsize = kv_format.DTYPES[kv_cache_dtype].itemsize
@@ -338,10 +338,10 @@ class CUDARunner:
                                       v["repetition_penalty"], v["presence_penalty"], v["frequency_penalty"], *undo,
                                       stream)
         if mode.greedy:
-            argmax.argmax(logits, tokens, stream, workspace=self.argmax_workspace)
+            sampling_policy.greedy(logits, tokens, stream, workspace=self.argmax_workspace)
         else:
-            sampling.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"], tokens,
-                            stream, workspace=self.sample_workspace)
+            sampling_policy.sample(logits, v["temperature"], v["top_k"], v["top_p"], v["min_p"], v["uniform"],
+                                   tokens, stream, workspace=self.sample_workspace)
         if mode.logprobs:
             if mode.penalties:  # the logprobs are the model's own: the raw logits back first
                 penalties.restore_logits(logits, *undo, stream)

@@ -40,7 +40,7 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from cuda_kernels.compat import SIMULATOR  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from cuda_kernels import argmax, attention_policy, embedding, matmul, rmsnorm  # noqa: E402
+from cuda_kernels import attention_policy, embedding, matmul, rmsnorm, sampling_policy  # noqa: E402
 from tinyvllm import LLM  # noqa: E402
 from tinyvllm.cuda_graph import CUDAGraph  # noqa: E402
 from tools.bench import greedy, tv_prefill  # noqa: E402
@@ -50,7 +50,7 @@ LAUNCHERS = [(matmul, "matmul_rope_kv_write", "QKV + RoPE + KV write"), (matmul,
              (matmul, "matmul", "matmul (O, LM head)"), (attention_policy, "prefill_attention", "attention"),
              (rmsnorm, "fused_add_rmsnorm", "add + RMSNorm"),
              (rmsnorm, "rmsnorm", "RMSNorm"), (embedding, "embedding", "embedding"),
-             (embedding, "gather_rows", "gather"), (argmax, "argmax", "argmax")]
+             (embedding, "gather_rows", "gather"), (sampling_policy, "greedy", "argmax")]
 
 
 class Wrapped:

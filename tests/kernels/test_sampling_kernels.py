@@ -23,6 +23,7 @@ from kernel_support import F32_EPS, SIM, device_empty, examples, pick, sizes, to
 
 from cuda_kernels import argmax as am
 from cuda_kernels import sampling as kernels
+from cuda_kernels import sampling_policy as sp
 from cuda_kernels import sampling_steps as steps
 from reference import sampling as ref
 
@@ -190,22 +191,27 @@ POISON = 2 ** 30  # an index past any row: a stage 2 that read a partial stage 1
 
 
 def split_shape(num_seqs, vocab, partitions):
-    """(P, chunk) the launcher will use: its policy, or the override."""
+    """(P, chunk) of a split launch: the policy's (partitions None), or the override's."""
     if partitions is None:
-        return am.argmax_partitions(num_seqs, vocab)
+        return sp.argmax_partitions(num_seqs, vocab)
     return am._partition(vocab, partitions)
 
 
 def launch_split_argmax(logits, partitions=None, threads=None, d_logits=None):
     """The split argmax on a poisoned workspace (a size for these rows, at least what the policy needs) and a
-    poisoned out."""
+    poisoned out: the engine's entry point (sampling_policy.greedy) where neither partitions nor threads is
+    given, else the launcher with the policy's choice for the one left None."""
     num_seqs, vocab = logits.shape
     parts, _ = split_shape(num_seqs, vocab, partitions)
-    size = max(num_seqs * parts, am.argmax_workspace_size(num_seqs, vocab))
+    size = max(num_seqs * parts, sp.argmax_workspace_size(num_seqs, vocab))
     workspace = to_device(np.full(size, POISON, np.int32))
     out = to_device(np.full(num_seqs, -1, np.int32))
-    am.argmax(to_device(logits) if d_logits is None else d_logits, out, workspace=workspace,
-                   partitions=partitions, threads=threads)
+    d_logits = to_device(logits) if d_logits is None else d_logits
+    if partitions is None and threads is None:
+        sp.greedy(d_logits, out, workspace=workspace)
+    else:
+        am.argmax(d_logits, out, workspace=workspace, partitions=parts if partitions is None else partitions,
+                  threads=threads or sp.SPLIT_THREADS)
     return out.copy_to_host()
 
 
@@ -234,7 +240,7 @@ def make_argmax_row(rng, kind, vocab, chunk):
 split_vocabs = st.sampled_from([1, 2, 31, 33, 255, 257, 513]) | st.integers(1, pick(600, 128256)) | \
     (st.sampled_from([128256, 49152]) if not SIM else st.nothing())
 split_rows = st.integers(1, 5) if SIM else st.one_of(st.integers(1, 5), rows)
-# None: the launcher's policy (P = 1 at simulator sizes, so the overrides are what split there)
+# None: the policy's (sampling_policy; P = 1 at simulator sizes, so the overrides are what split there)
 split_partitions = st.sampled_from([None, 1, 2, 3, 5, 8] + pick([], [63, 100, 1000]))
 
 
@@ -282,8 +288,8 @@ def test_split_argmax_rounds_of_loads_and_the_default_policy():
     logits = np.stack([make_row(rng, k, v) for k in ("normal", "ties", "neg_inf")])
     logits[0, [rnd - 1, rnd, 2 * rnd + 5]] = 50.0       # a tie between the first two rounds of chunk 0
     assert launch_split_argmax(logits, 2, threads).tolist() == ref.argmax(logits).tolist()
-    v = 3 * am.MIN_CHUNK + 5
-    parts, c = am.argmax_partitions(1, v)
+    v = 3 * sp.MIN_CHUNK + 5
+    parts, c = sp.argmax_partitions(1, v)
     assert parts == 3
     row = make_row(rng, "ties", v)
     row[[c - 1, c, 2 * c]] = 50.0
@@ -302,20 +308,22 @@ def test_split_argmax_strided_logits():
 
 def test_argmax_partition_policy():
     """From shapes only: no empty partition, chunks of at least MIN_CHUNK when split, about TARGET_BLOCKS
-    blocks, P = 1 for many rows, and argmax_workspace_size covering every batch up to its row count."""
-    for v in (1, 2, 100, am.MIN_CHUNK, 2 * am.MIN_CHUNK - 1, 2 * am.MIN_CHUNK, 49152, 128256,
+    blocks, P = 1 for many rows, the launcher splitting as the policy says, and argmax_workspace_size covering
+    every batch up to its row count."""
+    for v in (1, 2, 100, sp.MIN_CHUNK, 2 * sp.MIN_CHUNK - 1, 2 * sp.MIN_CHUNK, 49152, 128256,
               10 ** 6):
         need = 0
         for s in list(range(1, 300)) + [1023, 1024, 1025, 5000]:
-            parts, chunk = am.argmax_partitions(s, v)
+            parts, chunk = sp.argmax_partitions(s, v)
             assert (parts - 1) * chunk < v <= parts * chunk, (s, v)
-            assert parts == 1 or (chunk >= am.MIN_CHUNK and s * parts < am.TARGET_BLOCKS + s), (s, v)
-            assert (parts == 1) == (s >= am.TARGET_BLOCKS or v < 2 * am.MIN_CHUNK), (s, v)
+            assert parts == 1 or (chunk >= sp.MIN_CHUNK and s * parts < sp.TARGET_BLOCKS + s), (s, v)
+            assert (parts == 1) == (s >= sp.TARGET_BLOCKS or v < 2 * sp.MIN_CHUNK), (s, v)
+            assert am._partition(v, parts) == (parts, chunk), (s, v)    # what greedy's launcher splits
             if parts > 1:
                 need = max(need, s * parts)
             if s < 300:
-                assert am.argmax_workspace_size(s, v) == max(1, need), (s, v)
-    assert [am.argmax_partitions(s, 128256) for s in (1, 64, 256)] == [(62, 2069), (16, 8016), (4, 32064)]
+                assert sp.argmax_workspace_size(s, v) == max(1, need), (s, v)
+    assert [sp.argmax_partitions(s, 128256) for s in (1, 64, 256)] == [(62, 2069), (16, 8016), (4, 32064)]
     assert am._partition(9, 4) == (3, 3)                               # 4 asked, 3 non-empty
     assert am._partition(5, 100) == (5, 1)
 
@@ -333,6 +341,8 @@ def test_split_argmax_checks_its_workspace():
         am.argmax(logits, out, workspace=device_empty((3, 4), np.int32), partitions=4)
     with pytest.raises(ValueError, match="4 partitions need a workspace: an int32 device array of at least 12"):
         am.argmax(logits, out, partitions=4)
+    with pytest.raises(ValueError, match="a workspace is for the split kernels: pass partitions too"):
+        am.argmax(logits, out, workspace=device_empty(12, np.int32))
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="partitions must be a positive int"):
             am.argmax(logits, out, workspace=device_empty(12, np.int32), partitions=bad)
@@ -347,7 +357,7 @@ def test_split_argmax_checks_its_workspace():
     assert out.copy_to_host().tolist() == [3, 3, 3]
     # zero rows: checked, nothing launched
     am.argmax(to_device(np.zeros((0, v), np.float32)), device_empty(0, np.int32),
-                   workspace=device_empty(1, np.int32))
+              workspace=device_empty(1, np.int32), partitions=1)
 
 
 # --- sample -------------------------------------------------------------------------------------------------
@@ -589,14 +599,16 @@ POISON64 = 0x5A5A5A5A5A5A5A5A  # as int64 an index past any row, as float64 ~1e1
 def split_sample_size(num_seqs, vocab, partitions, threads):
     """uint64 elements that this launch needs: the runner's size, or more for an override of P."""
     parts, _ = split_shape(num_seqs, vocab, partitions)
-    t = am.SPLIT_THREADS if threads is None else threads
-    return max(kernels._sample_sections(None, num_seqs, parts, t), kernels.sample_workspace_size(num_seqs, vocab, t))
+    t = sp.SPLIT_THREADS if threads is None else threads
+    return max(kernels.workspace_elements(num_seqs, parts, t), sp.sample_workspace_size(num_seqs, vocab, t))
 
 
 def launch_split_sample(logits, temperature, top_k, top_p, min_p, uniform, partitions=None, threads=None,
                         workspace=None):
     """The split sample into a poisoned out, on `workspace` or on a fresh poisoned one: a kernel that read a
-    section no earlier kernel of this launch wrote (an unreset histogram, a partial of another row) fails."""
+    section no earlier kernel of this launch wrote (an unreset histogram, a partial of another row) fails. The
+    engine's entry point (sampling_policy.sample) where neither partitions nor threads is given, else the
+    launcher with the policy's choice for the one left None."""
     if workspace is None:
         size = split_sample_size(*logits.shape, partitions, threads)
         workspace = to_device(np.full(size, POISON64, np.uint64))
@@ -604,14 +616,19 @@ def launch_split_sample(logits, temperature, top_k, top_p, min_p, uniform, parti
     params = [to_device(np.asarray(a, d)) for a, d in ((temperature, np.float32), (top_k, np.int32),
                                                        (top_p, np.float32), (min_p, np.float32),
                                                        (uniform, np.float32))]
-    kernels.sample(to_device(logits), *params, out, threads=threads, workspace=workspace, partitions=partitions)
+    if partitions is None and threads is None:
+        sp.sample(to_device(logits), *params, out, workspace=workspace)
+    else:
+        parts, _ = split_shape(*logits.shape, partitions)
+        kernels.sample(to_device(logits), *params, out, threads=threads or sp.SPLIT_THREADS, workspace=workspace,
+                       partitions=parts if partitions is None else partitions)
     return out.copy_to_host()
 
 
 # one or two rows of tiny vocabularies in the simulator (1, around a warp, not a multiple of any chunk)
 split_sample_rows = st.integers(1, 2) if SIM else st.one_of(st.integers(1, 5), rows)
 split_sample_vocabs = st.sampled_from([1, 2, 33, 100]) | st.integers(1, 120) if SIM else vocabs
-# None: the launcher's policy (P = 1 at simulator sizes); on the GPU up to 400, more partitions than tokens
+# None: the policy's (sampling_policy; P = 1 at simulator sizes); on the GPU up to 400, more partitions than tokens
 # for the small vocabularies (P = V then; in the simulator
 # test_split_sample_boundaries_fallbacks_and_a_reused_workspace has that case)
 split_sample_partitions = st.sampled_from([None, 1, 2, 3] + pick([], [16, 62, 200, 400]))
@@ -697,16 +714,17 @@ def test_split_sample_walks_a_long_unit():
 
 def test_sample_workspace_size_covers_every_batch():
     """From shapes only: sample_workspace_size(n, V) is the most that any batch of up to n rows needs at the
-    launcher's policy, for the default block size and others."""
-    for v in (1, 100, am.MIN_CHUNK, 2 * am.MIN_CHUNK, 49152, 128256):
+    policy's partitions, for the default block size and others."""
+    for v in (1, 100, sp.MIN_CHUNK, 2 * sp.MIN_CHUNK, 49152, 128256):
         for threads in (None, 32, 1024):
-            t = am.SPLIT_THREADS if threads is None else threads
-            need = [kernels._sample_sections(None, s, am.argmax_partitions(s, v)[0], t) for s in range(1, 301)]
+            t = sp.SPLIT_THREADS if threads is None else threads
+            need = [kernels.workspace_elements(s, sp.argmax_partitions(s, v)[0], t) for s in range(1, 301)]
             for n in (1, 2, 64, 256, 300):
-                assert kernels.sample_workspace_size(n, v, threads) == max(need[:n]), (v, threads, n)
-    assert kernels.sample_workspace_size(0, 128256) == 1
-    big = kernels.sample_workspace_size(5000, 128256)                  # past TARGET_BLOCKS rows P = 1
-    assert big == kernels._sample_sections(None, 5000, 1, am.SPLIT_THREADS)
+                size = sp.sample_workspace_size(n, v) if threads is None else sp.sample_workspace_size(n, v, threads)
+                assert size == max(need[:n]), (v, threads, n)
+    assert sp.sample_workspace_size(0, 128256) == 1
+    big = sp.sample_workspace_size(5000, 128256)                  # past TARGET_BLOCKS rows P = 1
+    assert big == kernels.workspace_elements(5000, 1, sp.SPLIT_THREADS)
 
 
 def test_split_sample_checks_its_workspace():
@@ -714,7 +732,7 @@ def test_split_sample_checks_its_workspace():
     logits, out = to_device(np.zeros((3, v), np.float32)), device_empty(3, np.int32)
     f32, i32 = to_device(np.ones(3, np.float32)), to_device(np.zeros(3, np.int32))
     params = (f32, i32, f32, f32, f32)
-    need = kernels._sample_sections(None, 3, 4, 32)
+    need = kernels.workspace_elements(3, 4, 32)
     with pytest.raises(ValueError, match=rf"at least {need} uint64 elements \(3 rows x 4 partitions x 32 threads"):
         kernels.sample(logits, *params, out, threads=32, workspace=device_empty(need - 1, np.uint64), partitions=4)
     with pytest.raises(TypeError, match="workspace must be uint64, got int32"):
@@ -722,7 +740,9 @@ def test_split_sample_checks_its_workspace():
     with pytest.raises(TypeError, match="workspace must be a device array"):
         kernels.sample(logits, *params, out, threads=32, workspace=np.zeros(need, np.uint64), partitions=4)
     with pytest.raises(ValueError, match="must be 1-D"):
-        kernels.sample(logits, *params, out, threads=32, workspace=device_empty((need, 2), np.uint64))
+        kernels.sample(logits, *params, out, threads=32, workspace=device_empty((need, 2), np.uint64), partitions=4)
+    with pytest.raises(ValueError, match="a workspace is for the split kernels: pass partitions too"):
+        kernels.sample(logits, *params, out, threads=32, workspace=device_empty(need, np.uint64))
     for partitions in (1, 4):  # every split launch needs one, P = 1 included (histograms and row state)
         with pytest.raises(ValueError, match="the split sample's kernels need a workspace: a uint64 device array"):
             kernels.sample(logits, *params, out, partitions=partitions)
@@ -734,7 +754,7 @@ def test_split_sample_checks_its_workspace():
     # zero rows: checked, nothing launched
     kernels.sample(to_device(np.zeros((0, v), np.float32)), *[device_empty(0, d) for d in
                    (np.float32, np.int32, np.float32, np.float32, np.float32)], device_empty(0, np.int32),
-                   workspace=device_empty(1, np.uint64))
+                   workspace=device_empty(1, np.uint64), partitions=1)
 
 
 # --- launchers ----------------------------------------------------------------------------------------------
@@ -781,10 +801,10 @@ def test_sample_on_a_llama_sized_batch():
 
 @pytest.mark.skipif(SIM, reason="GPU only: real shapes")
 def test_split_sample_on_llama_sized_batches():
-    """The runner's case: the launcher's policy and workspace size, at 1, 64 and 256 rows of 128256."""
+    """The runner's case: sampling_policy.sample and its workspace size, at 1, 64 and 256 rows of 128256."""
     rng = np.random.default_rng(6)
     v = 128256
-    workspace = to_device(np.full(kernels.sample_workspace_size(256, v), POISON64, np.uint64))
+    workspace = to_device(np.full(sp.sample_workspace_size(256, v), POISON64, np.uint64))
     for s in (1, 64, 256):
         logits = np.stack([make_row(rng, "peaked" if i % 2 else "normal", v) for i in range(s)])
         args = (logits, np.full(s, 0.8), np.full(s, 50), np.full(s, 0.9), np.zeros(s), rng.random(s))

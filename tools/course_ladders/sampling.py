@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import argmax, sampling
+from cuda_kernels import argmax, sampling, sampling_policy
 from reference import sampling as ref
 from tools.course_ladders.common import Step
 from tools.kernel_benchmarks.common import Case
@@ -26,8 +26,8 @@ def sampling_steps(real: bool) -> list[Step]:
     top_k, uniform = np.full(s, 50, np.int32), rng.random(s).astype(np.float32)
     dl, dt, dk, dp, dm, du = (cuda.to_device(a) for a in (logits, temperature, top_k, top_p, min_p, uniform))
     tokens = cuda.device_array(s, np.int32)
-    argmax_work = cuda.device_array(argmax.argmax_workspace_size(s, v), np.int32)
-    sample_work = cuda.device_array(sampling.sample_workspace_size(s, v), np.uint64)
+    argmax_work = cuda.device_array(sampling_policy.argmax_workspace_size(s, v), np.int32)
+    sample_work = cuda.device_array(sampling_policy.sample_workspace_size(s, v), np.uint64)
     greedy = ref.argmax(logits)
     drawn = ref.sample(logits, temperature, top_k, top_p, min_p, uniform)
 
@@ -46,10 +46,10 @@ def sampling_steps(real: bool) -> list[Step]:
         ("9b argmax (one block per row)", "coalesced strided loads, a block reduction",
          lambda stream: argmax.argmax(dl, tokens, stream), greedy),
         ("9c argmax (split)", "(row, partition) blocks, 8 loads in flight, a merge kernel",
-         lambda stream: argmax.argmax(dl, tokens, stream, workspace=argmax_work), greedy),
+         lambda stream: sampling_policy.greedy(dl, tokens, stream, workspace=argmax_work), greedy),
         ("9d sample (one block per row)", "radix-select thresholds, fixed-point masses, inverse CDF",
          lambda stream: sampling.sample(*sample_args, stream), drawn),
         ("9e sample (split)", "the same passes over (row, partition) blocks, ten kernels",
-         lambda stream: sampling.sample(*sample_args, stream, workspace=sample_work), drawn),
+         lambda stream: sampling_policy.sample(*sample_args, stream, workspace=sample_work), drawn),
     ]
     return [Step(version, idea, case(version, run, want)) for version, idea, run, want in rungs]

@@ -2,9 +2,9 @@
 
 argmax is timed in both versions: v2 without a workspace (one block per row, the comparison), and v3 with
 one (the split argmax: stage 1 over (row, partition) blocks, stage 2 merging P indices per row; the
-launcher's P, then other P and block sizes around it, for tuning MIN_CHUNK / TARGET_BLOCKS / SPLIT_THREADS).
-sample likewise: v1 without a workspace (one block per row) and v2 with one (the split sample: ten kernels
-over (row, partition) blocks; the launcher's P and block size, then others around them).
+engine's P (sampling_policy), then other P and block sizes around it, for tuning sampling_policy's MIN_CHUNK /
+TARGET_BLOCKS / SPLIT_THREADS). sample likewise: v1 without a workspace (one block per row) and v2 with one (the
+split sample: ten kernels over (row, partition) blocks; the engine's P and block size, then others around them).
 The workspaces are allocated once, sized for the largest case, as the runner sizes them for max_num_seqs.
 
 bytes_moved counts the logits once per pass the kernel makes over them: argmax makes one; sample makes max,
@@ -19,14 +19,14 @@ import math
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import argmax, sampling, sampling_steps
+from cuda_kernels import argmax, sampling, sampling_policy, sampling_steps
 from reference import sampling as ref
 from tools.kernel_benchmarks.common import Case
 
 VOCAB = 128256
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
 ROWS = (1, 64, 256)
-#: split argmax cases per row count: (partitions, threads); None = the launcher's choice
+#: split argmax cases per row count: (partitions, threads); None = the policy's (sampling_policy)
 SPLIT_CASES = {
     1: [(None, None), (None, 128), (None, 512), (16, None), (32, None), (128, None), (256, None)],
     64: [(None, None), (None, 128), (None, 512), (4, None), (8, None), (32, None)],
@@ -87,21 +87,26 @@ def _device(a, dtype):
     return cuda.to_device(np.ascontiguousarray(a, dtype))
 
 
+def _split(s, partitions):
+    """(P, chunk) of a split case of s rows: the policy's (partitions None) or the override's."""
+    return sampling_policy.argmax_partitions(s, VOCAB) if partitions is None else argmax._partition(VOCAB, partitions)
+
+
 def split_argmax_cases(s, d_logits, d_out, greedy, workspace) -> list[Case]:
-    """The split argmax (v3) at the launcher's policy and around it, on the shared workspace."""
+    """The split argmax (v3) at the policy's configuration and around it, on the shared workspace."""
     out = []
     for partitions, threads in SPLIT_CASES[s]:
-        parts, chunk = argmax.argmax_partitions(s, VOCAB) if partitions is None else \
-            argmax._partition(VOCAB, partitions)
+        parts, chunk = _split(s, partitions)
+        t = threads or sampling_policy.SPLIT_THREADS
         label = (f"argmax split (v3) {s}x{VOCAB} P={parts}{'' if partitions is None else ' (override)'} "
-                 f"chunk={chunk} threads={threads or argmax.SPLIT_THREADS}")
+                 f"chunk={chunk} threads={t}")
 
-        def run(stream, d_logits=d_logits, d_out=d_out, partitions=partitions, threads=threads):
-            argmax.argmax(d_logits, d_out, stream, threads=threads, workspace=workspace, partitions=partitions)
+        def run(stream, d_logits=d_logits, d_out=d_out, parts=parts, t=t):
+            argmax.argmax(d_logits, d_out, stream, threads=t, workspace=workspace, partitions=parts)
 
-        def check(d_logits=d_logits, d_out=d_out, greedy=greedy, partitions=partitions, threads=threads):
+        def check(d_logits=d_logits, d_out=d_out, greedy=greedy, parts=parts, t=t):
             d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
-            argmax.argmax(d_logits, d_out, threads=threads, workspace=workspace, partitions=partitions)
+            argmax.argmax(d_logits, d_out, threads=t, workspace=workspace, partitions=parts)
             np.testing.assert_array_equal(d_out.copy_to_host(), greedy)
 
         out.append(Case("sampling", label, run, check, bytes_moved=4 * s * VOCAB))
@@ -109,22 +114,20 @@ def split_argmax_cases(s, d_logits, d_out, greedy, workspace) -> list[Case]:
 
 
 def split_sample_cases(s, d_logits, d_params, d_out, sampled, passes, workspace) -> list[Case]:
-    """The split sample (v2) at the launcher's policy and around it, on the shared workspace."""
+    """The split sample (v2) at the policy's configuration and around it, on the shared workspace."""
     out = []
     for partitions, threads in SPLIT_SAMPLE_CASES[s]:
-        parts, chunk = argmax.argmax_partitions(s, VOCAB) if partitions is None else \
-            argmax._partition(VOCAB, partitions)
-        t = threads or argmax.SPLIT_THREADS
+        parts, chunk = _split(s, partitions)
+        t = threads or sampling_policy.SPLIT_THREADS
         label = (f"sample split (v2) {s}x{VOCAB} T={TEMPERATURE} top_k={TOP_K} top_p={TOP_P} P={parts}"
                  f"{'' if partitions is None else ' (override)'} chunk={chunk} threads={t} ({passes / s:.1f} passes)")
 
-        def run(stream, partitions=partitions, threads=threads):
-            sampling.sample(d_logits, *d_params, d_out, stream, threads=threads, workspace=workspace,
-                            partitions=partitions)
+        def run(stream, parts=parts, t=t):
+            sampling.sample(d_logits, *d_params, d_out, stream, threads=t, workspace=workspace, partitions=parts)
 
-        def check(partitions=partitions, threads=threads):
+        def check(parts=parts, t=t):
             d_out.copy_to_device(np.full(d_out.shape, -1, np.int32))
-            sampling.sample(d_logits, *d_params, d_out, threads=threads, workspace=workspace, partitions=partitions)
+            sampling.sample(d_logits, *d_params, d_out, threads=t, workspace=workspace, partitions=parts)
             got = d_out.copy_to_host()
             differ = int(np.count_nonzero(got != sampled))  # as check_sample in cases()
             assert differ <= max(1, s // 100), f"{differ} of {s} sampled tokens differ from the reference"
@@ -138,17 +141,15 @@ def split_sample_cases(s, d_logits, d_params, d_out, sampled, passes, workspace)
 
 def split_sample_workspace():
     """One workspace for every split sample case: the runner's size for max(ROWS) rows, or more for overrides."""
-    need = [sampling._sample_sections(None, s, (argmax.argmax_partitions(s, VOCAB) if p is None else
-                                                argmax._partition(VOCAB, p))[0], t or argmax.SPLIT_THREADS)
+    need = [sampling.workspace_elements(s, _split(s, p)[0], t or sampling_policy.SPLIT_THREADS)
             for s, configs in SPLIT_SAMPLE_CASES.items() for p, t in configs]
-    return cuda.device_array(max([sampling.sample_workspace_size(max(ROWS), VOCAB)] + need), np.uint64)
+    return cuda.device_array(max([sampling_policy.sample_workspace_size(max(ROWS), VOCAB)] + need), np.uint64)
 
 
 def split_workspace():
     """One workspace for every split case: the runner's size for max(ROWS) rows, or more for the overrides."""
-    need = [s * (argmax.argmax_partitions(s, VOCAB) if p is None else argmax._partition(VOCAB, p))[0]
-            for s, configs in SPLIT_CASES.items() for p, _ in configs]
-    return cuda.device_array(max([argmax.argmax_workspace_size(max(ROWS), VOCAB)] + need), np.int32)
+    need = [s * _split(s, p)[0] for s, configs in SPLIT_CASES.items() for p, _ in configs]
+    return cuda.device_array(max([sampling_policy.argmax_workspace_size(max(ROWS), VOCAB)] + need), np.int32)
 
 
 def cases() -> list[Case]:
