@@ -135,7 +135,12 @@ def run_tinyvllm(args) -> int:
                "backend": args.backend, "engine": "as `tinyvllm serve` builds it, prefix caching off",
                "offline": [], "runs": [], "errors": []}
     start = time.perf_counter()
-    llm = LLM(args.model, backend=args.backend, enable_prefix_caching=False)
+    if args.backend == "sim":  # no GPU: the GPU's step times, the real host work (tools/sim_runner.py)
+        from tools.sim_runner import sim_llm
+
+        llm = sim_llm(args.model)
+    else:
+        llm = LLM(args.model, backend=args.backend, enable_prefix_caching=False)
     runner = llm.engine.runner
     results.update(engine_ready_s=time.perf_counter() - start, backend=runner.name,
                    matmul_precision=getattr(runner, "matmul_precision", None))
@@ -337,7 +342,8 @@ def main(argv=None) -> int:
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--run-timeout", type=float, default=300, help="seconds a client run may take (default 300)")
         if what == "tinyvllm":
-            s.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
+            s.add_argument("--backend", choices=("auto", "cpu", "cuda", "sim"), default="auto",
+                           help="sim: no model, a GPU's step times (tools/sim_runner.py), to see the server's cost")
         else:
             s.add_argument("--device", default="cuda:0", help="transformers serve --device (default cuda:0)")
             s.add_argument("--python", default=sys.executable, help="the Python that runs transformers serve")
