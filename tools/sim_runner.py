@@ -10,7 +10,8 @@ model in NumPy, much of it holding the GIL, so it shows the server's overhead in
 SimRunner keeps the host side of a step (tinyvllm/batch.pack, as the CUDA runner does before its copies) and
 replaces the model by a timer: a step takes `base_ms + per_token_ms * new tokens` on a device that runs one
 step at a time, and `collect` sleeps (GIL released, as a device sync) until that step is done. The sampled
-tokens are random ids below the vocabulary, so detokenization does its real work. With the defaults a decode
+tokens are random ids below the vocabulary, so detokenization does its real work (logprobs are not simulated:
+requests asking for them are not for this runner). With the defaults a decode
 step of 256 sequences takes 6 + 0.02 * 256 = 11 ms, about an H100's on the 1B model (GPU.md).
 """
 
