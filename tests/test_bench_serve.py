@@ -67,3 +67,21 @@ def test_the_transformers_dialect(tiny_model_dir):
     ids = np.random.default_rng(0).integers(0, 256, 20).tolist()
     [(text, n)] = bench_serve.text_prompts([(ids, 5)], str(tiny_model_dir))
     assert n == 5 and text == Tokenizer.from_dir(tiny_model_dir).decode(ids)
+
+
+def test_the_sim_runner_generates_every_requested_token_at_its_modelled_pace(tiny_model_dir):
+    """tools/sim_runner.py: the real engine over a timer; a step of T new tokens takes base + T * per_token."""
+    import time
+
+    from tinyvllm import SamplingParams
+    from tools.sim_runner import sim_llm
+
+    llm = sim_llm(tiny_model_dir, base_ms=5.0, per_token_ms=0.5)
+    start = time.perf_counter()
+    outs = llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 6)],
+                        use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 6]
+    assert all(0 <= t < llm.engine.config.vocab_size for o in outs for t in o.outputs[0].token_ids)
+    # 6 steps at least: a prefill of 5 tokens (7.5 ms), then decodes of 2 tokens (6 ms) and 1 token (5.5 ms)
+    assert seconds >= 0.0075 + 3 * 0.006 + 2 * 0.0055 - 1e-3

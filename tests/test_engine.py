@@ -95,6 +95,27 @@ def test_final_only_requests_are_reported_once_with_the_same_text(tiny_model_dir
     assert engine.num_generated_tokens == 2 * GREEDY.max_tokens
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_streamed_token_ids_are_snapshots_of_their_step(tiny_model_dir, async_scheduling):
+    """A streamed output's ids are a view of the sequence's list (no copy per step): each must still read as
+    the ids of its own step after later steps appended to (and a stop cut) that list."""
+    engine = LLM(tiny_model_dir, backend="cpu", async_scheduling=async_scheduling).engine
+    stop_at = engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[0, 1, 2, 3]
+                                                           + list(range(4, 260, 3))))
+    rid = engine.add_request("Hello", GREEDY)
+    seen = {rid: [], stop_at: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append((out.outputs[0].token_ids, list(out.outputs[0].token_ids)))
+    for outs in seen.values():
+        final = outs[-1][0]
+        assert isinstance(final, list)  # a finished output holds a list of its own
+        for view, copied in outs:
+            assert view == copied == final[:len(copied)] and list(view) == copied and len(view) == len(copied)
+            assert view[-1] == copied[-1] and view[1:] == copied[1:] and view[::2] == copied[::2]
+    assert [len(v) for v, _ in seen[rid]] == list(range(1, GREEDY.max_tokens + 1))
+
+
 def test_stop_strings_and_stop_tokens(tiny_model_dir):
     llm = LLM(tiny_model_dir, backend="cpu")
     full = llm.generate(["Hi"], GREEDY, use_tqdm=False)[0]

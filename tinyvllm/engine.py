@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence as SequenceABC
 import random
 import time
 from dataclasses import dataclass, field
@@ -63,11 +64,43 @@ class Logprob:
     decoded_token: str | None = None
 
 
+class TokenIdsSoFar(SequenceABC):
+    """The first `count` ids of a running sequence's output list, without copying them.
+
+    A streamed request gets an output every step; a copy of its ids each time costs O(length) per token, which
+    at 256 sequences of ~500 tokens was the largest host cost of a step in streaming mode. The list is only ever
+    appended to, and an id is not changed once read back (a PENDING slot is filled once; a finished sequence's
+    list is cut after its last id), so its first `count` entries stay what they were: a view is a snapshot.
+    Reads like a list (len, indexing, slicing, iteration, ==); a finished request's output holds a real list."""
+
+    __slots__ = ("_ids", "_count")
+
+    def __init__(self, ids: list[int], count: int):
+        self._ids, self._count = ids, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[:self._count][index] if index.step not in (None, 1) else \
+                self._ids[slice(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError("token index out of range")
+        return self._ids[index % self._count]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, TokenIdsSoFar)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._ids[:self._count])
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int] | TokenIdsSoFar    # a list once finished; while streaming, a view (no copy)
     finish_reason: str | None
     logprobs: list[dict[int, Logprob]] | None = None   # per token: itself and the N most likely (logprobs=N)
     cumulative_logprob: float | None = None
@@ -427,15 +460,18 @@ class LLMEngine:
             count = len(seq.output_token_ids)
             while count and seq.output_token_ids[count - 1] == PENDING:  # launched, not read back yet
                 count -= 1
+            ids = seq.output_token_ids
             completions.append(CompletionOutput(
-                seq.index, self._streams[seq.seq_id].text, seq.output_token_ids[:count], seq.finish_reason,
+                seq.index, self._streams[seq.seq_id].text,
+                ids[:count] if seq.is_finished else TokenIdsSoFar(ids, count), seq.finish_reason,
                 None if seq.logprobs is None else seq.logprobs[:count], seq.cumulative_logprob))
         first = seqs[0]
         last_times = [seq.last_token_time for seq in seqs if seq.last_token_time is not None]
         return RequestOutput(
             request_id=first.request_id, prompt=self._prompts[first.request_id],
             prompt_token_ids=first.prompt_token_ids, outputs=completions,
-            finished=all(seq.is_finished for seq in seqs), new_text=new_text,
+            finished=first.is_finished if len(seqs) == 1 else all(seq.is_finished for seq in seqs),
+            new_text=new_text,
             num_cached_tokens=first.num_cached_prompt_tokens, prompt_logprobs=first.prompt_logprobs,
             metrics={"preemptions": sum(seq.num_preemptions for seq in seqs), "arrival_time": first.arrival_time,
                      "first_token_time": first.first_token_time,

@@ -64,6 +64,8 @@ class TextStream:
 
     def _partial_stop_length(self) -> int:
         """Length of the longest end of the pending text that is the beginning of a stop string."""
+        if not self._stop:
+            return 0
         for n in range(min(len(self._pending), max(map(len, self._stop), default=1) - 1), 0, -1):
             tail = self._pending[-n:]
             if any(stop.startswith(tail) for stop in self._stop):

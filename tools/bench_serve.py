@@ -22,7 +22,8 @@ Reported: request throughput, output tokens/s, and p50 / p90 / p99 of
 - ITL, inter-token latency: the gaps between successive chunks (a chunk may carry more than one token when the
   client falls behind the server, so this is per chunk);
 - E2E, the whole request.
-Token counts are the server's own (stream_options.include_usage). Needs httpx (in tinyvllm's test extra).
+Token counts are the server's own (stream_options.include_usage). The streams are read with a few lines of
+HTTP/1.1 over asyncio (http_stream); httpx (in tinyvllm's test extra) asks for the model's name.
 
 --server transformers speaks to `transformers serve` (Hugging Face's OpenAI-compatible server), which refuses
 vLLM's fields with a 422 and takes text prompts only: prompts given as token ids (the throughput dataset) are
@@ -42,8 +43,10 @@ import json
 import random
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import AsyncIterator
 
 import httpx
 import numpy as np
@@ -105,16 +108,61 @@ def make_requests(args) -> list[tuple[str | list[int], int]]:
                            tuple(args.output_lens), args.token_high)
 
 
-async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> Result:
+async def http_stream(url: str, body: dict, headers: dict[str, str]) -> AsyncIterator[tuple[float, bytes]]:
+    """POST `body` as JSON on a connection of its own and yield the response's body as it arrives, as
+    (arrival time, bytes); raises HTTPStatus for a status other than 200.
+
+    NOTE: a few lines of HTTP/1.1 over asyncio streams instead of httpx: with hundreds of streams in flight,
+    httpx's connection pool and per-read layers cost this client ~50 us of CPU per chunk (py-spy: a third of it
+    in the pool's bookkeeping), so at saturation (~20k chunks/s) the client, not the server, was the limit.
+    A connection per request, as httpx's pool gave every one of the requests sent at once."""
+    target = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.open_connection(target.hostname, target.port or 80, limit=1 << 20)
+    try:
+        payload = json.dumps(body).encode()
+        head = [f"POST {target.path} HTTP/1.1", f"Host: {target.netloc}", "Content-Type: application/json",
+                f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close",
+                *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        status = int((await reader.readline()).split()[1])
+        fields = {}
+        while (line := await reader.readline()).strip():
+            name, _, value = line.decode("latin-1").partition(":")
+            fields[name.strip().lower()] = value.strip()
+        chunked = "chunked" in fields.get("transfer-encoding", "").lower()
+        if status != 200:
+            raise HTTPStatus(status, await reader.read())  # (chunked: its framing shows, in an error message)
+        while True:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    return
+                data = (await reader.readexactly(size + 2))[:-2]
+            else:
+                data = await reader.read(1 << 16)
+                if not data:
+                    return
+            yield time.perf_counter(), data
+    finally:
+        writer.close()
+
+
+class HTTPStatus(Exception):
+    def __init__(self, status: int, body: bytes):
+        super().__init__(f"HTTP {status}: {body[:200]!r}")
+
+
+async def one_request(url: str, body: dict, headers: dict[str, str]) -> Result:
     start = time.perf_counter()
     chunks: list[float] = []
     usage = None
+    pending = b""
     try:
-        async with http.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                return Result(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        async for arrived, data in http_stream(url, body, headers):
+            # server-sent events: "data: ..." lines, an empty line after each; those of one read share its time
+            *events, pending = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
+            for line in (line for e in events for line in e.split(b"\n")):
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:  # OpenAI's {"message": ...}, or a bare string (transformers serve)
@@ -124,9 +172,9 @@ async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> Result:
                     usage = event["usage"]
                 # a chunk with text, or the last one (a random model's answer may decode to no text at all)
                 if any(c.get("text") or c.get("finish_reason") for c in event.get("choices", ())):
-                    chunks.append(time.perf_counter())
-    except httpx.HTTPError as exc:
-        return Result(False, error=f"{type(exc).__name__}: {exc}")
+                    chunks.append(arrived)
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, HTTPStatus) as exc:
+        return Result(False, error=str(exc) if isinstance(exc, HTTPStatus) else f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     if not chunks or usage is None:
         return Result(False, error="no choices or no usage in the stream")
@@ -137,8 +185,7 @@ async def one_request(http: httpx.AsyncClient, url: str, body: dict) -> Result:
 async def run(args) -> dict:
     base = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None), limits=limits) as http:
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None)) as http:
         model = args.model or (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
         requests = make_requests(args)
         if args.server == "transformers":
@@ -149,7 +196,7 @@ async def run(args) -> dict:
 
         async def gated(body):
             async with gate:
-                return await one_request(http, f"{base}/v1/completions", body)
+                return await one_request(f"{base}/v1/completions", body, headers)
 
         warmup_s = 0.0
         if args.warmup:  # short requests, untimed, all at once; prompts of their own (none cached for the run)

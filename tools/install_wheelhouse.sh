@@ -18,6 +18,10 @@ if [ -d .wheelhouse ]; then
       python3 -m pip install -q --no-deps --target /tmp/tinyvllm-site "$PWD"/.wheelhouse/*.whl \
         && echo "wheelhouse unpacked into /tmp/tinyvllm-site"
     fi
+    # uvicorn's speedups (in the serve extra), apart: a wheelhouse made before they were listed still installs
+    python3 -m pip install -q "${_wh[@]}" uvloop httptools \
+      || python3 -m pip install -q --user --break-system-packages "${_wh[@]}" uvloop httptools \
+      || echo "uvloop/httptools not installed: uvicorn runs on asyncio and h11"
   } >> "$_wh_log" 2>&1
   [ -d /tmp/tinyvllm-site ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tinyvllm-site
 fi

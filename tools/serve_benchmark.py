@@ -124,6 +124,15 @@ def device_name() -> str:
         return f"unknown ({type(exc).__name__})"
 
 
+def uvicorn_stack() -> str:
+    """What uvicorn serves with here: its event loop and HTTP parser ("auto" picks uvloop and httptools when
+    installed; they cost the event loop less per streamed chunk, see setup.cfg's serve extra)."""
+    import importlib.util as u
+
+    loop = "uvloop" if u.find_spec("uvloop") else "asyncio"
+    return f"{loop} + {'httptools' if u.find_spec('httptools') else 'h11'}"
+
+
 # -- tinyvllm ---------------------------------------------------------------------------------------------------
 
 def run_tinyvllm(args) -> int:
@@ -133,9 +142,14 @@ def run_tinyvllm(args) -> int:
 
     results = {"command": " ".join(sys.argv), "device": device_name(), "model": str(args.model),
                "backend": args.backend, "engine": "as `tinyvllm serve` builds it, prefix caching off",
-               "offline": [], "runs": [], "errors": []}
+               "offline": [], "runs": [], "errors": [], "uvicorn": uvicorn_stack()}
     start = time.perf_counter()
-    llm = LLM(args.model, backend=args.backend, enable_prefix_caching=False)
+    if args.backend == "sim":  # no GPU: the GPU's step times, the real host work (tools/sim_runner.py)
+        from tools.sim_runner import sim_llm
+
+        llm = sim_llm(args.model)
+    else:
+        llm = LLM(args.model, backend=args.backend, enable_prefix_caching=False)
     runner = llm.engine.runner
     results.update(engine_ready_s=time.perf_counter() - start, backend=runner.name,
                    matmul_precision=getattr(runner, "matmul_precision", None))
@@ -309,7 +323,8 @@ def table(out: Path) -> str:
     header = []
     if tiny:
         header.append(f"Device: {tiny.get('device')}; tinyvllm backend {tiny.get('backend')}, matmul inputs "
-                      f"{tiny.get('matmul_precision')}, engine ready in {tiny.get('engine_ready_s', 0):.0f} s.")
+                      f"{tiny.get('matmul_precision')}, engine ready in {tiny.get('engine_ready_s', 0):.0f} s, "
+                      f"uvicorn on {tiny.get('uvicorn', 'asyncio + h11')}.")
     if hf and hf.get("ready_s") is not None:
         header.append(f"transformers serve --continuous-batching on {hf.get('device')}: healthy after "
                       f"{hf['ready_s']:.0f} s.")
@@ -337,7 +352,8 @@ def main(argv=None) -> int:
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--run-timeout", type=float, default=300, help="seconds a client run may take (default 300)")
         if what == "tinyvllm":
-            s.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
+            s.add_argument("--backend", choices=("auto", "cpu", "cuda", "sim"), default="auto",
+                           help="sim: no model, a GPU's step times (tools/sim_runner.py), to see the server's cost")
         else:
             s.add_argument("--device", default="cuda:0", help="transformers serve --device (default cuda:0)")
             s.add_argument("--python", default=sys.executable, help="the Python that runs transformers serve")

@@ -186,10 +186,25 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+class ChunkEvent:
+    """One stream's token chunks as SSE events: `_sse({**chunk, "choices": choices, **extra})` with the fields
+    that never change (id, object, created, model, usage null) rendered once per stream, so each of the
+    thousands of chunks per second serializes only its choices."""
+
+    def __init__(self, chunk: dict, include_usage: bool):
+        head = json.dumps(chunk, ensure_ascii=False)
+        self._prefix = "data: " + head[:-1] + ', "choices": '
+        self._suffix = ', "usage": null}\n\n' if include_usage else "}\n\n"
+
+    def __call__(self, choices: list[dict]) -> str:
+        return self._prefix + json.dumps(choices, ensure_ascii=False) + self._suffix
+
+
 async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, window: LogprobWindow,
                   num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
     chunk = {**head, "object": fmt.chunk_object}
     extra = {"usage": None} if include_usage else {}
+    event = ChunkEvent(chunk, include_usage)
     sent: dict[int, int] = {}        # choice index -> characters sent
     done: set[int] = set()           # choices whose finish_reason was sent
     last: RequestOutput | None = None
@@ -210,7 +225,7 @@ async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, wind
                 if text or logprobs or c.finish_reason is not None:
                     choices.append(fmt.delta(c.index, text, c.finish_reason, logprobs))
             if choices:
-                yield _sse({**chunk, "choices": choices, **extra})
+                yield event(choices)
     except RequestAborted:
         aborted = [fmt.delta(i, None, "abort", None) for i in range(num_choices) if i not in done]
         yield _sse({**chunk, "choices": aborted, **extra})
