@@ -5,6 +5,8 @@
    This must run before numba.cuda is imported.
 2. In the CUDA simulator, a race in static shared-array creation (see below).
 3. In the CUDA simulator, the cost of calling a device function that does not use `cuda` (see below).
+4. In the CUDA simulator, the cost of running a block: a new thread per simulated thread, and a manager
+   that polls them (see below).
 """
 
 import numpy as np
@@ -22,6 +24,7 @@ if SIMULATOR:
     # by the calling line, with an unlocked dict get-then-set: two threads of a launch's first block can race,
     # hold different arrays and silently compute garbage (seen under CPU load). This replacement takes the
     # same key under a lock, from the caller's frame (no traceback extraction, which is also much faster).
+    import functools
     import sys
     import threading
 
@@ -82,3 +85,139 @@ if SIMULATOR:
 
         _direct_call.direct = True
         FakeCUDAKernel.__call__ = _direct_call
+
+    # NOTE: the simulator (numba-cuda 0.30) runs each block of a launch by starting a new Python thread per
+    # simulated thread (each start waits until the new thread has run) and then polls all of them in a loop,
+    # holding the GIL against the threads it waits for, until every one that has not returned waits at the
+    # barrier. The engine tests spend most of their time in such blocks: the LM head's GEMM of the tiny model
+    # (17 blocks of 64 threads) took about 2.3 s (1.3 s of CPU) and takes 1.0 s (0.8 s) here; the whole suite
+    # went from about 21 to 13 minutes on a (busy) 2-core machine.
+    # This replacement runs a block on persistent worker threads (one pool for the process, handed to each
+    # block in turn) and counts the arrivals at the barrier under a condition. The semantics are the
+    # simulator's: every simulated thread is its own Python thread, with its threadIdx, blockIdx and
+    # laneid; a barrier opens when every thread of the block that has not returned waits at it; an exception
+    # in one thread aborts the others (each raises at its next barrier) and is raised by the launch, in the
+    # simulator's words ("tid=[...] ctaid=[...]: ..."). The pool holds as many threads as the largest block.
+    import os
+
+    from numba.cuda.simulator import kernel as _sim_kernel
+    from numba.cuda.simulator.kernelapi import Dim3 as _Dim3
+
+    class _Block:
+        """One block's run: its kernel call, the threads that have not returned, those waiting at the barrier,
+        the barrier's generation (counted up each time it opens) and the first exception."""
+
+        def __init__(self, target, threads: int):
+            self.target, self.live, self.waiting, self.generation, self.error = target, threads, 0, 0, None
+            self.cond = threading.Condition(threading.Lock())
+
+        def arrive(self) -> None:
+            """A thread's __syncthreads(): wait until the barrier opens (RuntimeError if the block aborts)."""
+            with self.cond:
+                self.waiting += 1
+                if self.waiting == self.live:
+                    self._open()
+                else:
+                    generation = self.generation
+                    while self.generation == generation and self.error is None:
+                        self.cond.wait()
+                if self.error is not None:
+                    raise RuntimeError("abort flag set on syncthreads clear")
+
+        def leave(self, exception) -> None:
+            """A thread returned (with the simulator's (exception, traceback) or None)."""
+            with self.cond:
+                self.live -= 1
+                if exception is not None and self.error is None:
+                    self.error = exception
+                    self.cond.notify_all()
+                elif self.waiting == self.live:   # the rest wait at the barrier (or none is left)
+                    self._open()
+
+        def _open(self) -> None:
+            self.waiting = 0
+            self.generation += 1
+            self.cond.notify_all()
+
+        def join(self):
+            """Wait until every thread has returned or one has raised; the exception, if one did."""
+            with self.cond:
+                while self.live and self.error is None:
+                    self.cond.wait()
+                return self.error
+
+    class _Worker(_sim_kernel.BlockThread):
+        """A persistent thread that plays one simulated thread of each block it is given."""
+
+        def __init__(self):
+            threading.Thread.__init__(self, name="cudasim-worker", daemon=True)
+            self.ready = threading.Event()
+            self.block = None
+            self.retired = False
+
+        def play(self, manager, block: _Block, block_idx, thread_idx, thread_id: int) -> None:
+            self._manager, self.block, self.blockIdx, self.threadIdx = manager, block, block_idx, thread_idx
+            self.thread_id, self.exception, self.abort, self.debug = thread_id, None, False, manager._debug
+            self.ready.set()
+
+        def run(self):
+            while True:
+                self.ready.wait()
+                self.ready.clear()
+                block = self.block
+                self._target, self._args, self._kwargs = block.target, (), {}
+                _sim_kernel.BlockThread.run(self)   # the simulator's: the kernel, an exception kept in its words
+                block.leave(self.exception)
+                if self.retired:
+                    return
+
+        def syncthreads(self):
+            if self.abort:
+                raise RuntimeError("abort flag set on syncthreads call")
+            try:
+                self.block.arrive()
+            except RuntimeError:
+                self.abort = True
+                raise
+
+    _workers: list = []
+    _workers_lock = threading.Lock()
+    os.register_at_fork(after_in_child=_workers.clear)   # a forked child has none of these threads
+
+    @functools.lru_cache(maxsize=None)
+    def _thread_indices(block_dim: tuple) -> tuple:
+        """(threadIdx, linear thread id) of every thread of a block, in the simulator's order."""
+        dim = _Dim3(*block_dim)
+        return tuple((_Dim3(*p), p[0] + dim.x * (p[1] + dim.y * p[2])) for p in np.ndindex(*block_dim))
+
+    def _run_block(self, grid_point, *args):
+        """BlockManager.run: one block of the launch, on the pool's first threads."""
+        indices = _thread_indices(tuple(self._block_dim))
+        with _workers_lock:
+            while len(_workers) < len(indices):
+                _workers.append(_Worker())
+                _workers[-1].start()
+            workers = _workers[:len(indices)]
+        f = self._f
+
+        def target():
+            if self._debug:
+                np.seterr(divide="raise")
+            f(*args)
+
+        block, block_idx = _Block(target, len(indices)), _Dim3(*grid_point)
+        for worker, (thread_idx, thread_id) in zip(workers, indices):
+            worker.play(self, block, block_idx, thread_idx, thread_id)
+        error = block.join()
+        if error is not None:
+            # as the simulator does, raise at once; the block's other threads finish aborting on their own
+            with _workers_lock:
+                for worker in workers:
+                    worker.retired = True
+                    if worker in _workers:
+                        _workers.remove(worker)
+            raise error[0].with_traceback(error[1])
+
+    if not getattr(_sim_kernel.BlockManager.run, "pooled", False):
+        _run_block.pooled = True
+        _sim_kernel.BlockManager.run = _run_block

@@ -24,11 +24,15 @@ def test_no_kernel_is_prepared_after_the_warm_up(tiny_model_dir):
     ready_kernels, ready_graphs = launch.prepared(), cuda_graph.captures()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 7, 13)]   # chunked: the budget is 8 tokens
+    # NOTE: each simulated step costs seconds, so no request decodes further than it takes to meet its last
+    # new step shape: a third token of the logprobs row, or of the prompt alone, repeated the second's
+    # decode step (same tokens, rows, block-table width and sampling mode: the same kernel signatures)
     params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)]
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=2)]
     llm.generate(prompts, params, use_tqdm=False)        # one batch: greedy, sampled and logprobs rows
-    llm.generate(prompts[:1], params[0], use_tqdm=False)  # alone: batch 1
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                 use_tqdm=False)                          # alone: batch 1, a prefill and a chained decode
     # prompt logprobs of 13 rows: the LM head over them 3 rows (max_num_seqs) at a time, the last chunk of 1
     llm.generate(prompts[2:], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     # two completions of one prompt share its blocks and copy the partly filled one on first write

@@ -701,13 +701,8 @@ def run_kernels(cfg: BenchConfig, config, results: dict, emit) -> str:
     if reason is not None:
         ours["kernels"] = {"skipped": reason}
         return reason
-    from cuda_kernels.compat import SIMULATOR
     from tinyvllm.device import gpu_status
 
-    if SIMULATOR:
-        # Simulated CUDA threads are Python threads: switching between them more often makes their barriers
-        # much cheaper (as tests/conftest.py does).
-        sys.setswitchinterval(5e-4)
     ours.setdefault("backend", "cuda")  # when no engine ran before
     ours["kernels"] = {"device": gpu_status()[1], "cold_bytes": cfg.sizes.cold_bytes,
                        "matmul_precision": cuda_precision(cfg), "cases": []}

@@ -114,8 +114,6 @@ def main() -> int:
     parser.add_argument("--size", choices=("auto", "real", "tiny"), default="auto",
                         help="shapes: the 1B model's (GPU only), the simulator's, or by the machine (default)")
     args = parser.parse_args()
-    if SIMULATOR:   # simulated threads are Python threads: switching more often makes barriers much cheaper
-        sys.setswitchinterval(5e-4)
     if args.list or args.chapter is None:
         for c in CHAPTERS:
             print(f"{c.number:2d}  {c.title}  (docs/course/{c.page})")
