@@ -164,6 +164,8 @@ if SIMULATOR:
             while True:
                 self.ready.wait()
                 self.ready.clear()
+                if self.retired:
+                    return
                 block = self.block
                 self._target, self._args, self._kwargs = block.target, (), {}
                 _sim_kernel.BlockThread.run(self)   # the simulator's: the kernel, an exception kept in its words
@@ -208,15 +210,24 @@ if SIMULATOR:
         block, block_idx = _Block(target, len(indices)), _Dim3(*grid_point)
         for worker, (thread_idx, thread_id) in zip(workers, indices):
             worker.play(self, block, block_idx, thread_idx, thread_id)
-        error = block.join()
+        try:
+            error = block.join()
+        except BaseException:   # interrupted (Ctrl-C): the block's threads may still run, so retire them
+            _retire(workers)
+            raise
         if error is not None:
             # as the simulator does, raise at once; the block's other threads finish aborting on their own
-            with _workers_lock:
-                for worker in workers:
-                    worker.retired = True
-                    if worker in _workers:
-                        _workers.remove(worker)
+            _retire(workers)
             raise error[0].with_traceback(error[1])
+
+    def _retire(workers) -> None:
+        """Take a block's threads out of the pool (each ends when it returns); the next block gets new ones."""
+        with _workers_lock:
+            for worker in workers:
+                worker.retired = True
+                worker.ready.set()   # one already idle ends now, one still running when it returns
+                if worker in _workers:
+                    _workers.remove(worker)
 
     if not getattr(_sim_kernel.BlockManager.run, "pooled", False):
         _run_block.pooled = True
