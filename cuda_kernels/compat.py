@@ -90,8 +90,8 @@ if SIMULATOR:
     # simulated thread (each start waits until the new thread has run) and then polls all of them in a loop,
     # holding the GIL against the threads it waits for, until every one that has not returned waits at the
     # barrier. The engine tests spend most of their time in such blocks: the LM head's GEMM of the tiny model
-    # (17 blocks of 64 threads) took about 2.3 s (1.3 s of CPU) and takes 1.0 s (0.8 s) here; the whole suite
-    # went from about 21 to 13 minutes on a (busy) 2-core machine.
+    # (17 blocks of 64 threads) took about 2.3 s (1.6 s of CPU) and takes about 0.6 s here, and the simulator
+    # engine tests take about 40% of their time (with Python's own switch interval: tests/conftest.py).
     # This replacement runs a block on persistent worker threads (one pool for the process, handed to each
     # block in turn) and counts the arrivals at the barrier under a condition. The semantics are the
     # simulator's: every simulated thread is its own Python thread, with its threadIdx, blockIdx and
