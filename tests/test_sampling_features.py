@@ -23,6 +23,7 @@ PROMPTS = [[256, 1, 2, 3, 4, 5, 6, 7, 8, 9], [256, 40, 41], [256] + [17] * 6, [2
 @pytest.mark.parametrize("kwargs, name", [
     (dict(n=0), "n"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(repetition_penalty=1e-50), "repetition_penalty"), (dict(repetition_penalty=1e39), "repetition_penalty"),
     (dict(frequency_penalty=-2.01), "frequency_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"), (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(logit_bias={5: 101.0}), "logit_bias"),

@@ -19,6 +19,9 @@ MAX_LOGPROBS = 20
 #: OpenAI's ranges for the presence and frequency penalties and for logit_bias values
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+#: repetition_penalty divides or multiplies float32 logits, so it must be a positive normal float32: the smallest
+#: and the largest (a tinier value rounds to 0 in float32 and divides by zero, a larger one to infinity)
+REPETITION_PENALTY_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 
 
 class SamplingParamsError(ValueError):
@@ -98,8 +101,10 @@ class SamplingParams:
             fail("stop", "must be a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of non-negative token ids")
-        if not 0 < number("repetition_penalty") < float("inf"):
-            fail("repetition_penalty", "must be > 0 (1 means no penalty)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= number("repetition_penalty") <= high:
+            fail("repetition_penalty", f"must be > 0 and a normal float32, in [{low:.3g}, {high:.3g}] (1 means no "
+                                       "penalty)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not PENALTY_RANGE[0] <= number(name) <= PENALTY_RANGE[1]:
                 fail(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]")
