@@ -386,7 +386,7 @@ def argmax_naive(logits, out, stream=0, threads=64):
     launch(_argmax_naive_kernel, (num_seqs + threads - 1) // threads, threads, stream, logits, out)
 
 
-def _partition(vocab, partitions):
+def partition(vocab, partitions):
     """(P, chunk) for at most `partitions` chunks: chunk = ceil(V / partitions), then P = ceil(V / chunk), so
     that no partition is empty (V = 9 in 4 asks gives 3 chunks of 3)."""
     chunk = -(-int(vocab) // int(partitions))
@@ -418,14 +418,14 @@ def _split_shape(vocab, partitions, workspace):
         return None
     if isinstance(partitions, bool) or int(partitions) != partitions or partitions < 1:
         raise ValueError(f"partitions must be a positive int, got {partitions!r}")
-    return _partition(vocab, partitions)
+    return partition(vocab, partitions)
 
 
 def argmax(logits, out, stream=0, threads=DEFAULT_THREADS, *, workspace=None, partitions=None):
     """Greedy tokens: out[s] = the lowest index of the largest logit of row s (numpy.argmax exactly).
 
     partitions None: v2, one block per row of `threads` threads. partitions given: v3, the split argmax, each
-    row in at most that many chunks (any positive int is correct, at most V are used: see _partition; the
+    row in at most that many chunks (any positive int is correct, at most V are used: see partition; the
     engine's is sampling_policy.argmax_partitions(S, V), through sampling_policy.greedy); stage 1 (blocks of
     `threads`) writes one index per (row, partition) to the front of workspace, an int32 device array of at
     least S * P elements (the engine's: sampling_policy.argmax_workspace_size; none needed when P = 1), and

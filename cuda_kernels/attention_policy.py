@@ -25,6 +25,7 @@ from cuda_kernels import attention, attention_tc, kv_format, paged_attention_gqa
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.paged_attention import MAX_WARPS
 from cuda_kernels.paged_attention_gqa import fast_warps, heads_per_block
+from cuda_kernels.primitives import SM_COUNT
 
 # Lanes sharing one key by default (decode_lanes_policy picks 4 for some shapes).
 DEFAULT_LANES_PER_KEY = 8
@@ -35,7 +36,6 @@ LONG_WALK_ROUNDS = 16
 # NOTE: the reduce kernel and the partials cost about two rounds of a warp's walk, so a split pays only for
 # long contexts at small batches; a short context takes one pass of more warps (docs/performance.md).
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
-SM_COUNT = 132                      # H200
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
 TARGET_BLOCKS = 512

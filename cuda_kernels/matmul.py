@@ -54,6 +54,7 @@ from cuda_kernels.gemm_tc import GemmTcTile, gemm_tc
 from cuda_kernels.gemv import GemvConfig, gemv, gemv_rope
 from cuda_kernels.launch import view
 from cuda_kernels.matmul_args import check_args
+from cuda_kernels.primitives import SM_COUNT
 
 # Largest M that the engine's matmul sends to gemv (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or
 # more); above it gemm_tc or gemm_pipelined. Measured, not derived: at M = 8 gemv still beat gemm_tc's skinny
@@ -78,7 +79,6 @@ GEMM_TILE = GemmTile(16, 16, 8, 2, 2) if SIMULATOR else GemmTile()
 
 # gemm_tc tiles (gemm_tc_tile picks one; every one can also be passed as gemm_tc's `tile`). All of them fit
 # gemm_tc.GEMM_TC_MAX_SHARED in fp32 mode, so the choice does not depend on bf16_inputs.
-SM_COUNT = 132                 # H200 and H100 SXM
 # Prefill: 128 x 128 of 8 warps of 64 x 32, and 64 x 64 of 4 warps of 32 x 32.
 GEMM_TC_TILE = GemmTcTile(128, 128, 32, 64, 32)
 GEMM_TC_SMALL_TILE = GemmTcTile(64, 64, 32, 32, 32)

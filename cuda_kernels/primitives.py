@@ -28,6 +28,7 @@ from cuda_kernels.compat import SIMULATOR
 
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
+SM_COUNT = 132   # SMs of the H200 and the H100 SXM: the GPU the shape policies size their grids for
 
 if SIMULATOR:
     # Simulated kernels are Python: NumPy scalar views give the bit casts.

@@ -33,7 +33,7 @@ def argmax_partitions(num_rows, vocab) -> tuple[int, int]:
     per SM)."""
     wanted = -(-TARGET_BLOCKS // max(1, int(num_rows)))
     most = int(vocab) // MIN_CHUNK
-    return argmax_kernels._partition(vocab, max(1, min(wanted, most)))
+    return argmax_kernels.partition(vocab, max(1, min(wanted, most)))
 
 
 def argmax_workspace_size(num_rows, vocab) -> int:

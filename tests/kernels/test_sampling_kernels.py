@@ -194,7 +194,7 @@ def split_shape(num_seqs, vocab, partitions):
     """(P, chunk) of a split launch: the policy's (partitions None), or the override's."""
     if partitions is None:
         return sp.argmax_partitions(num_seqs, vocab)
-    return am._partition(vocab, partitions)
+    return am.partition(vocab, partitions)
 
 
 def launch_split_argmax(logits, partitions=None, threads=None, d_logits=None):
@@ -257,8 +257,8 @@ def test_split_argmax_matches_reference(seed, num_seqs, vocab, threads, partitio
 
 def test_split_argmax_ties_across_partitions_take_the_lowest_index():
     v, parts = pick(200, 128256), 4
-    c = am._partition(v, parts)[1]
-    assert am._partition(v, parts)[0] == parts and c < v
+    c = am.partition(v, parts)[1]
+    assert am.partition(v, parts)[0] == parts and c < v
     logits = np.zeros((9, v), np.float32)
     logits[0, [c - 1, c]] = 5.0                         # the last of chunk 0 against the first of chunk 1
     logits[1, [c, 2 * c - 1, 3 * c]] = 5.0              # chunk 1's first against later chunks'
@@ -318,14 +318,14 @@ def test_argmax_partition_policy():
             assert (parts - 1) * chunk < v <= parts * chunk, (s, v)
             assert parts == 1 or (chunk >= sp.MIN_CHUNK and s * parts < sp.TARGET_BLOCKS + s), (s, v)
             assert (parts == 1) == (s >= sp.TARGET_BLOCKS or v < 2 * sp.MIN_CHUNK), (s, v)
-            assert am._partition(v, parts) == (parts, chunk), (s, v)    # what greedy's launcher splits
+            assert am.partition(v, parts) == (parts, chunk), (s, v)    # what greedy's launcher splits
             if parts > 1:
                 need = max(need, s * parts)
             if s < 300:
                 assert sp.argmax_workspace_size(s, v) == max(1, need), (s, v)
     assert [sp.argmax_partitions(s, 128256) for s in (1, 64, 256)] == [(62, 2069), (16, 8016), (4, 32064)]
-    assert am._partition(9, 4) == (3, 3)                               # 4 asked, 3 non-empty
-    assert am._partition(5, 100) == (5, 1)
+    assert am.partition(9, 4) == (3, 3)                               # 4 asked, 3 non-empty
+    assert am.partition(5, 100) == (5, 1)
 
 
 def test_split_argmax_checks_its_workspace():
