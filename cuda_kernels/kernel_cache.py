@@ -4,8 +4,11 @@ second a kernel, 30-40 s for the engine's kernels).
 
 An entry is the cubin of one kernel for one argument signature, and the name of its entry point in it. Its
 key is a SHA-256 over everything that decides the machine code:
-- the source of every file of this package (a device function, a constant or a helper changed anywhere
-  invalidates every entry: coarse, but never stale), and the versions of numba-cuda and the CUDA driver;
+- the source of every file of this package that the kernel's module, or the module of any function its
+  closure holds, imports, directly or through other files of the package (the imports read from each
+  file's syntax tree, those inside functions included): a device function, a constant or a helper changed
+  in one of them invalidates the entry, while an edit to a kernel file that the kernel never imports does
+  not (a kernel defined outside the package: every file), and the versions of numba-cuda and the driver;
 - the kernel's own code and its compile options, and the values its closure holds: the compile-time
   constants a kernel factory was called with, and, for a device function the kernel closes over, the same
   recursively (see `_stable`);
@@ -20,8 +23,10 @@ directory ($TINYVLLM_CACHE_DIR, else $XDG_CACHE_HOME/tinyvllm or ~/.cache/tinyvl
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
+import re
 import struct
 import tempfile
 import types
@@ -51,16 +56,51 @@ def directory() -> Path | None:
 
 
 @lru_cache(maxsize=None)
-def _environment() -> bytes:
-    """The package's sources and the compiler and driver versions: a change to any invalidates every entry."""
+def _versions() -> bytes:
+    """The compiler and driver versions: a change to either invalidates every entry."""
     import numba_cuda
     from cuda.bindings import driver
 
-    digest = hashlib.sha256()
-    for path in sorted(PACKAGE.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     err, version = driver.cuDriverGetVersion()
-    digest.update(f"numba-cuda {numba_cuda.__version__} driver {int(version)}".encode())
+    return f"numba-cuda {numba_cuda.__version__} driver {int(version)}".encode()
+
+
+@lru_cache(maxsize=None)
+def _imports(module: str) -> frozenset:
+    """The package modules (names of files in this folder, no suffix) that `module`'s file imports anywhere
+    in it: `from cuda_kernels import a, b`, `from cuda_kernels.a import f`, `import cuda_kernels.a`."""
+    path = PACKAGE / f"{module}.py"
+    if not path.is_file():
+        return frozenset()
+    found = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            head, _, rest = name.partition(".")
+            sub = rest.split(".")[0]
+            if head == PACKAGE.name and sub and (PACKAGE / f"{sub}.py").is_file():
+                found.add(sub)
+    return frozenset(found)
+
+
+@lru_cache(maxsize=None)
+def _sources(modules: frozenset) -> bytes:
+    """A digest of the sources of `modules` (package module names) and of every package file they import,
+    transitively."""
+    todo, closure = list(modules), set()
+    while todo:
+        module = todo.pop()
+        if module not in closure:
+            closure.add(module)
+            todo.extend(_imports(module))
+    digest = hashlib.sha256()
+    for module in sorted(closure):
+        digest.update(module.encode() + b"\0" + (PACKAGE / f"{module}.py").read_bytes() + b"\0")
     return digest.digest()
 
 
@@ -124,7 +164,12 @@ def key(kernel, argtypes, cc: tuple[int, int]) -> str | None:
     text = _stable(kernel)
     if text is None:
         return None
-    digest = hashlib.sha256(_environment())
+    if getattr(kernel.py_func, "__module__", "").startswith(f"{PACKAGE.name}."):
+        # the modules of the kernel and of every function its closure holds, as _function names them
+        modules = set(re.findall(rf"\b{PACKAGE.name}\.(\w+)", text))
+    else:   # a kernel defined elsewhere (a test's) may reach any package file through its own globals
+        modules = {path.stem for path in PACKAGE.glob("*.py")}
+    digest = hashlib.sha256(_versions() + _sources(frozenset(modules)))
     digest.update(f"{text}|{[str(t) for t in argtypes]}|sm_{cc[0]}{cc[1]}".encode())
     return digest.hexdigest()
 

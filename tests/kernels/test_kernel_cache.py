@@ -128,3 +128,39 @@ def test_a_second_process_loads_every_kernel_from_the_cache(tiny_model_dir, tmp_
     assert first["compiled"] > 10 and first["compiled"] == first["prepared"]
     assert second["compiled"] == 0 and second["prepared"] == first["prepared"]
     assert second["tokens"] == first["tokens"]
+
+
+def test_a_key_covers_the_files_its_kernel_imports_and_no_others(tmp_path, monkeypatch):
+    """Keys hash the sources of the kernel's module and of every package file it imports, transitively: an
+    edit to a file the kernel reaches (here mma.py, which gemm_pipelined imports) changes the digest, an edit
+    to one it never imports (attention_tc.py) does not, so changing one kernel file keeps the others cached."""
+    import shutil
+
+    package = tmp_path / "cuda_kernels"
+    shutil.copytree(kernel_cache.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(kernel_cache, "PACKAGE", package)
+
+    def digest():
+        kernel_cache._imports.cache_clear()
+        kernel_cache._sources.cache_clear()
+        return kernel_cache._sources(frozenset({"gemm_pipelined"}))
+
+    reached = set()
+    todo = ["gemm_pipelined"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(kernel_cache._imports(module))
+    assert {"gemm_pipelined", "mma", "async_copy", "pdl", "compat"} <= reached
+    assert "attention_tc" not in reached and "matmul" not in reached
+
+    before = digest()
+    with open(package / "attention_tc.py", "a") as f:
+        f.write("\n# an edit the GEMM never sees\n")
+    assert digest() == before
+    with open(package / "mma.py", "a") as f:
+        f.write("\n# an edit to a file the GEMM imports\n")
+    assert digest() != before
+    kernel_cache._imports.cache_clear()
+    kernel_cache._sources.cache_clear()
