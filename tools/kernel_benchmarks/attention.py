@@ -148,9 +148,10 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
                 config=f"paged_attention: {lanes} lanes/key, {warps} warps, {split}")
 
 
-def _prefill_cases(rng, chunks, naive=False):
+def _prefill_cases(rng, chunks, naive=False, tc_configs=None):
     """Prefill of sequences given as (new tokens, cached prefix) pairs: the SIMT flash kernel, the tensor-core
-    one (at its default tile and, for one long sequence, at 32-key tiles), and the naive one if asked."""
+    one (at its default tile and, for one long sequence, at 32-key tiles), and the naive one if asked; with
+    tc_configs ((warps, keys per tile) pairs), the tensor-core kernel at each of those only."""
     q_lens = [n for n, _ in chunks]
     contexts = [n + cached for n, cached in chunks]
     k_cache, v_cache, tables = _paged_cache(rng, contexts)
@@ -192,7 +193,10 @@ def _prefill_cases(rng, chunks, naive=False):
                  runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys)),
                 (f"prefill_attention (flash, fp32 SIMT) {shape}",
                  runner(attention.prefill_attention, warps=flash_warps, rows=rows))]
-    if len(chunks) == 1:
+    if tc_configs:
+        variants = [(f"prefill_attention_tc ({w} warps, {k}-key tiles) {shape}",
+                     runner(attention_tc.prefill_attention_tc, warps=w, keys_per_tile=k)) for w, k in tc_configs]
+    elif len(chunks) == 1:
         variants.insert(1, (f"prefill_attention_tc ({warps} warps, 32-key tiles) {shape}",
                             runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=32)))
     if naive:
@@ -250,20 +254,37 @@ def policy_sweep(shapes=SWEEP_SHAPES):
     return cases
 
 
+PREFILL_SWEEP = ((4, 64), (4, 32), (2, 64), (8, 64), (8, 32), (4, 16))   # (warps, keys per tile)
+
+
 def main() -> None:
-    """--policy-sweep: time the fast decode kernel over warps and partitions (for paged_attention's policy)."""
+    """--policy-sweep: time the fast decode kernel over warps and partitions (for paged_attention's policy).
+    --prefill-sweep: time the tensor-core prefill kernel over (warps, keys per tile) on a 1,024-token prompt
+    and on 4 x 256 (for attention_policy.prefill_tc_config)."""
     import argparse
 
     from tools.kernel_benchmarks.common import checked_time
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--policy-sweep", action="store_true", required=True)
-    parser.parse_args()
-    print("| case | time (us) |")
-    print("| --- | ---: |")
-    for case in policy_sweep():
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--policy-sweep", action="store_true")
+    which.add_argument("--prefill-sweep", action="store_true")
+    args = parser.parse_args()
+    if args.policy_sweep:
+        cases = policy_sweep()
+    else:
+        rng = np.random.default_rng(0)
+        cases = [case for chunks in ([(1024, 0)], [(256, 0)] * 4)
+                 for case in _prefill_cases(rng, chunks, tc_configs=PREFILL_SWEEP)]
+    print("| case | time (us) | TFLOP/s |")
+    print("| --- | ---: | ---: |")
+    for case in cases:
         seconds = checked_time(case)
-        print(f"| {case.name} | {seconds if isinstance(seconds, str) else f'{seconds * 1e6:,.1f}'} |", flush=True)
+        if isinstance(seconds, str):
+            print(f"| {case.name} | {seconds} | |", flush=True)
+        else:
+            rate = f"{case.flops / seconds / 1e12:.1f}" if case.flops else ""
+            print(f"| {case.name} | {seconds * 1e6:,.1f} | {rate} |", flush=True)
 
 
 if __name__ == "__main__":
