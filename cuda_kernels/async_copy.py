@@ -16,9 +16,13 @@ bytes); lane (g, t) = (lane // 4, lane % 4) gets register q = row g, elements 2t
 smaller index in the low 16 bits). That is exactly the per-lane layout of an mma.m16n8k16 fragment
 (cuda_kernels/mma.py): four matrices give a whole A fragment (16 x 16), or the B fragments of two n8 tiles.
 
+``ldmatrix_x4_trans(sh, i)``: the same four matrices, transposed on the way: lane (g, t) gets register q =
+elements 2t and 2t + 1 of column g of matrix q (rows 2t and 2t + 1). With a matrix's rows along an mma's k
+(a V tile stored key by key), that is the B fragment of k = rows, n = columns.
+
 Two implementations, chosen at import time:
 - GPU: Numba ``@intrinsic`` functions emitting the PTX (``cp.async.cg.shared.global``, ``cp.async.commit_group``,
-  ``cp.async.wait_group``, ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``) as volatile inline assembly with
+  ``cp.async.wait_group``, ``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``) as volatile inline assembly with
   a memory clobber, so that the compiler neither merges them nor moves shared-memory accesses across them.
   A shared-memory operand is the 32-bit shared-window address of the array element: the array's generic
   data pointer, address-space-cast to shared.
@@ -26,7 +30,7 @@ Two implementations, chosen at import time:
   no-ops), and ldmatrix is emulated with the same per-lane semantics: every lane writes its row index to a
   per-warp shared scratch, the block synchronises, every lane gathers its four registers from the rows the
   other lanes named, and the block synchronises again before the scratch can be reused.
-Rules for callers of ldmatrix_x4: all 32 lanes of every warp of the block call it, the same number of times
+Rules for callers of ldmatrix_x4 and ldmatrix_x4_trans: all 32 lanes of every warp of the block call it, the same number of times
 (the instruction is warp-wide; the emulation synchronises the block), and blocks are at most 1024 threads.
 """
 
@@ -78,6 +82,21 @@ if SIMULATOR:
             a = rows[warp, 8 * q + g] + c
             regs[q] = uint32(sh[a]) | (uint32(sh[a + 1]) << uint32(16))
         cuda.syncthreads()  # every lane has read the scratch: the next call may overwrite it
+        return regs[0], regs[1], regs[2], regs[3]
+
+    @cuda.jit(device=True)
+    def ldmatrix_x4_trans(sh, i):
+        """(r0, r1, r2, r3) for this lane: r_q = column lane // 4 of matrix q, rows 2 (lane % 4) and + 1."""
+        rows = cuda.shared.array((_MAX_WARPS, WARP), int64)
+        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        warp, lane = tid // WARP, tid % WARP
+        rows[warp, lane] = i
+        cuda.syncthreads()
+        g, r = lane // 4, 2 * (lane % 4)
+        regs = cuda.local.array(4, uint32)
+        for q in range(4):
+            regs[q] = uint32(sh[rows[warp, 8 * q + r] + g]) | (uint32(sh[rows[warp, 8 * q + r + 1] + g]) << uint32(16))
+        cuda.syncthreads()
         return regs[0], regs[1], regs[2], regs[3]
 
 else:
@@ -160,24 +179,35 @@ else:
 
         return wait
 
-    @intrinsic
-    def _ldmatrix_asm(typingctx, sh, i):
-        sig = types.UniTuple(types.uint32, 4)(sh, types.int64)
+    def _ldmatrix_intrinsic(instruction):
+        @intrinsic
+        def ldmatrix_asm(typingctx, sh, i):
+            sig = types.UniTuple(types.uint32, 4)(sh, types.int64)
 
-        def codegen(context, builder, signature, args):
-            address = _shared_address(builder, _element_pointer(context, builder, signature.args[0], *args))
-            asm = _volatile(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
-                            "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r")
-            regs = builder.call(asm, [address])
-            return context.make_tuple(builder, signature.return_type,
-                                      [builder.extract_value(regs, q) for q in range(4)])
+            def codegen(context, builder, signature, args):
+                address = _shared_address(builder, _element_pointer(context, builder, signature.args[0], *args))
+                asm = _volatile(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
+                                f"{instruction} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,r")
+                regs = builder.call(asm, [address])
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(regs, q) for q in range(4)])
 
-        return sig, codegen
+            return sig, codegen
+
+        return ldmatrix_asm
+
+    _ldmatrix_asm = _ldmatrix_intrinsic("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
+    _ldmatrix_trans_asm = _ldmatrix_intrinsic("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
 
     @cuda.jit(device=True, inline=True)
     def ldmatrix_x4(sh, i):
         """(r0, r1, r2, r3) for this lane (see the module docstring); i: this lane's row index in sh."""
         return _ldmatrix_asm(sh, int64(i))
+
+    @cuda.jit(device=True, inline=True)
+    def ldmatrix_x4_trans(sh, i):
+        """(r0, r1, r2, r3) for this lane, each matrix transposed (see the module docstring)."""
+        return _ldmatrix_trans_asm(sh, int64(i))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -206,14 +236,18 @@ def _copy_rows_kernel(src, valid, dst):
 
 
 @cuda.jit
-def _ldmatrix_kernel(sh_init, rows, out):
-    """One warp: shared memory <- sh_init; lane l loads with row index rows[l]; out[l, q] = its register q."""
+def _ldmatrix_kernel(sh_init, rows, trans, out):
+    """One warp: shared memory <- sh_init; lane l loads with row index rows[l] (transposed if trans);
+    out[l, q] = its register q."""
     sh = cuda.shared.array(1024, uint16)
     lane = cuda.threadIdx.x
     for e in range(lane, sh_init.size, WARP):
         sh[e] = sh_init[e]
     cuda.syncthreads()
-    r0, r1, r2, r3 = ldmatrix_x4(sh, rows[lane])
+    if trans:
+        r0, r1, r2, r3 = ldmatrix_x4_trans(sh, rows[lane])
+    else:
+        r0, r1, r2, r3 = ldmatrix_x4(sh, rows[lane])
     out[lane, 0] = r0
     out[lane, 1] = r1
     out[lane, 2] = r2
@@ -234,10 +268,11 @@ def copy_chunks(src, valid, dst, stream=0):
     _copy_rows_kernel[1, n, stream](src, valid, dst)
 
 
-def ldmatrix(sh_init, rows, out, stream=0):
-    """One warp's ldmatrix_x4 over shared memory initialised from sh_init ((<= 1024,) uint16): lane l gives
-    row index rows[l] ((32,) int64, multiples of 8), out ((32, 4) uint32) gets every lane's registers."""
+def ldmatrix(sh_init, rows, out, stream=0, trans=False):
+    """One warp's ldmatrix_x4 (ldmatrix_x4_trans if trans) over shared memory initialised from sh_init
+    ((<= 1024,) uint16): lane l gives row index rows[l] ((32,) int64, multiples of 8), out ((32, 4) uint32)
+    gets every lane's registers."""
     if sh_init.shape[0] > 1024 or rows.shape != (WARP,) or out.shape != (WARP, 4):
         raise ValueError(f"ldmatrix: need sh_init of at most 1024 uint16, rows (32,) and out (32, 4), got "
                          f"{sh_init.shape}, {rows.shape}, {out.shape}")
-    _ldmatrix_kernel[1, WARP, stream](sh_init, rows, out)
+    _ldmatrix_kernel[1, WARP, stream](sh_init, rows, bool(trans), out)

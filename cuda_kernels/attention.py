@@ -233,7 +233,7 @@ def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
 
 
 @cuda.jit(device=True)
-def row_tile(q, k_words, cu_seqlens_q, context_lens, rows):
+def row_tile(q, kv_heads, cu_seqlens_q, context_lens, rows):
     """The query rows of a flash block (grid (sequence, row tile, KV head); attention_tc.py's too): with
     G = Hq / Hkv query heads per KV head, row r of sequence s is (token r // G, head kvh * G + r % G), so a KV
     head's n_rows = q_len * G rows are cut into tiles of `rows`. Returns (G, q_begin, n_rows, row0, first,
@@ -243,7 +243,7 @@ def row_tile(q, k_words, cu_seqlens_q, context_lens, rows):
     seq = cuda.blockIdx.x
     # NOTE: the last row tiles see the most keys; giving them the lowest block ids starts them first.
     tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
-    group = q.shape[1] // k_words.shape[2]
+    group = q.shape[1] // kv_heads
     q_begin = cu_seqlens_q[seq]
     q_len = cu_seqlens_q[seq + 1] - q_begin
     n_rows = q_len * group
@@ -277,7 +277,7 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: st
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, ROW_WORDS) u64 (the caches, 64 bits
         # per word); scale includes fp8's k_scale
         seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words, cu_seqlens_q, context_lens, ROWS)
+        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x

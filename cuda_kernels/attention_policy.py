@@ -13,15 +13,16 @@ Decode, paged_attention_gqa.paged_attention (decode_config gathers the three cho
   LONG_WALK_ROUNDS KV blocks or more, DEFAULT_LANES_PER_KEY (8) otherwise.
 - decode_workspace_size: the split's workspace for every batch up to a size (the runner allocates it once).
 Prefill:
-- uses_prefill_tc: attention_tc.prefill_attention_tc where the head size and the KV format allow, else
-  attention.prefill_attention (the SIMT flash kernel);
-- prefill_tc_config: the tensor-core kernel's warps and keys per K/V tile, by head_dim;
+- uses_prefill_tc: a tensor-core kernel where the head size and the KV format allow, else
+  attention.prefill_attention (the SIMT flash kernel); PREFILL_PIPELINED: which one,
+  attention_tc_pipelined.prefill_attention_tc_pipelined or attention_tc.prefill_attention_tc;
+- prefill_tc_config, prefill_pipelined_config: their warps and keys per K/V tile, by head_dim;
 - prefill_flash_config: the SIMT flash kernel's warps and query rows per block, by head_dim.
 The numbers behind each choice are in docs/performance.md, "decode attention" and "prefill attention (tensor
 cores)".
 """
 
-from cuda_kernels import attention, attention_tc, kv_format, paged_attention_gqa
+from cuda_kernels import attention, attention_tc, attention_tc_pipelined, kv_format, paged_attention_gqa
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.paged_attention import MAX_WARPS
 from cuda_kernels.paged_attention_gqa import fast_warps, heads_per_block
@@ -115,6 +116,11 @@ def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_b
 # prefill policies
 
 
+# NOTE: the pipelined kernel is the step after attention_tc in the prefill ladder (faster where measured:
+# docs/performance.md); False runs attention_tc instead, for side-by-side runs
+PREFILL_PIPELINED = True
+
+
 def uses_prefill_tc(head_dim: int, fmt: str) -> bool:
     """Whether prefill_attention takes the tensor-core kernel for this head size and KV format.
 
@@ -133,6 +139,16 @@ def prefill_tc_config(head_dim: int) -> tuple[int, int]:
     if SIMULATOR:
         return 2, 16
     return (4, 64) if head_dim <= 64 else (2, 16)
+
+
+def prefill_pipelined_config(head_dim: int) -> tuple[int, int]:
+    """(warps per block, keys per K/V tile) of attention_tc_pipelined.prefill_attention_tc_pipelined.
+
+    NOTE: 4 warps and 64-key tiles at head_dim up to 64, 32-key tiles at 128, none of them spilling registers
+    (docs/performance.md, "prefill attention (tensor cores)"); the simulator's is prefill_tc_config's."""
+    if SIMULATOR:
+        return prefill_tc_config(head_dim)
+    return (4, 64) if head_dim <= 64 else (4, 32)
 
 
 def prefill_flash_config(head_dim: int) -> tuple[int, int]:
@@ -167,14 +183,18 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len,
                       stream=0, k_scale=1.0, v_scale=1.0):
     """out (T, Hq, d) <- causal prefill attention, as the engine runs it (attention.prefill_attention's
-    arguments and result): the tensor-core kernel in prefill_tc_config's configuration where uses_prefill_tc
+    arguments and result): a tensor-core kernel (PREFILL_PIPELINED) in its configuration where uses_prefill_tc
     says, else the SIMT flash kernel in prefill_flash_config's."""
     head_dim = q.shape[2]
     if uses_prefill_tc(head_dim, kv_format.format_of(k_cache)):
-        warps, keys = prefill_tc_config(head_dim)
-        attention_tc.prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                                          out, max_q_len, stream, warps=warps, keys_per_tile=keys,
-                                          k_scale=k_scale, v_scale=v_scale)
+        if PREFILL_PIPELINED:
+            warps, keys = prefill_pipelined_config(head_dim)
+            kernel = attention_tc_pipelined.prefill_attention_tc_pipelined
+        else:
+            warps, keys = prefill_tc_config(head_dim)
+            kernel = attention_tc.prefill_attention_tc
+        kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len, stream,
+               warps=warps, keys_per_tile=keys, k_scale=k_scale, v_scale=v_scale)
     else:
         warps, rows = prefill_flash_config(head_dim)
         attention.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,

@@ -18,8 +18,8 @@ from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, p
 
 from numba import cuda
 
-from cuda_kernels import (attention, attention_policy, attention_tc, gemv, kv_format, matmul, paged_attention,
-                          paged_attention_gqa)
+from cuda_kernels import (attention, attention_policy, attention_tc, attention_tc_pipelined, gemv, kv_format, matmul,
+                          paged_attention, paged_attention_gqa)
 from reference import paged_attention as ref
 from reference.bf16 import f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache, kv_cache_write
@@ -166,6 +166,14 @@ def prefill_tc(q, *args, keys_per_tile=None, **kwargs):
     for q's head_dim; keys_per_tile: another tile size."""
     warps, keys = attention_policy.prefill_tc_config(q.shape[2])
     attention_tc.prefill_attention_tc(q, *args, warps=warps, keys_per_tile=keys_per_tile or keys, **kwargs)
+
+
+def prefill_tc_pipelined(q, *args, keys_per_tile=None, **kwargs):
+    """attention_tc_pipelined.prefill_attention_tc_pipelined (same arguments) in prefill_tc_config's
+    configuration, keys_per_tile overriding its tile."""
+    warps, keys = attention_policy.prefill_tc_config(q.shape[2])
+    attention_tc_pipelined.prefill_attention_tc_pipelined(q, *args, warps=warps, keys_per_tile=keys_per_tile or keys,
+                                                          **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -560,13 +568,27 @@ def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size,
                 kind, fmt)
 
 
+@settings(max_examples=examples(6, 60))
+@given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]),
+       st.sampled_from([f for f in KV_FORMATS if f[0] in attention_tc.TC_FORMATS]))
+@example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None,
+         fmt=KV_FORMATS[0])
+@example(seed=2, chunks=[(5, 20)], hg=(1, 3), d=16, block_size=3, kind="normal", keys=None, fmt=KV_FORMATS[4])
+def test_prefill_attention_tc_pipelined_matches_reference(seed, chunks, hg, d, block_size, kind, keys, fmt):
+    """The pipelined kernel on attention_tc's cases: two stages alternate from the second tile on (16-key
+    tiles in the simulator: up to four tiles), fp8 caches widened as staged."""
+    run_prefill(partial(prefill_tc_pipelined, keys_per_tile=keys), np.random.default_rng(seed), chunks, *hg, d,
+                block_size, kind, fmt)
+
+
+@pytest.mark.parametrize("launcher", [prefill_tc, prefill_tc_pipelined])
 @pytest.mark.parametrize("chunks", pick([[(5, 0)], [(3, 3), (4, 0)], [(2, 9)]],
                                         [[(1024, 0)], [(256, 0)] * 4, [(512, 512)]]))
-def test_prefill_attention_tc_benchmark_shapes(chunks):
+def test_prefill_attention_tc_benchmark_shapes(launcher, chunks):
     """The benchmark's layouts (one 1,024-token prompt, 4 x 256, a 512 chunk after a 512 cached prefix) at the
     model's shapes (32 / 8 heads, head_dim 64) on the GPU; the same layouts shrunk in the simulator."""
     hkv, group, d = pick((1, 4, 16), (8, 4, 64))
-    run_prefill(prefill_tc, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
+    run_prefill(launcher, np.random.default_rng(0), chunks, hkv, group, d, 16, "normal")
 
 
 @pytest.mark.skipif(not SIM, reason="a GPU device function cannot be called from the host; kernels use it there")
@@ -578,7 +600,8 @@ def test_transpose_bf16x4():
     assert np.array(columns, np.uint64).view(np.uint16).reshape(4, 4).tolist() == m.T.tolist()
 
 
-@pytest.mark.parametrize("launcher", [prefill_flash, prefill_tc, attention_policy.prefill_attention])
+@pytest.mark.parametrize("launcher", [prefill_flash, prefill_tc, prefill_tc_pipelined,
+                                      attention_policy.prefill_attention])
 def test_prefill_one_query_per_sequence_equals_decode(launcher):
     """q_len 1 at the end of each context is exactly a decode step."""
     rng = np.random.default_rng(1)
@@ -694,7 +717,7 @@ def test_split_launcher_errors(shapes, partition_size, message):
 
 
 @pytest.mark.parametrize("launcher", [prefill_flash, attention.prefill_attention_naive, prefill_tc,
-                                      attention_policy.prefill_attention])
+                                      prefill_tc_pipelined, attention_policy.prefill_attention])
 @pytest.mark.parametrize("changes, message", [
     (dict(cu_seqlens_q=np.zeros(2, np.int32)), "cu_seqlens_q"),
     (dict(cu_seqlens_q=np.zeros(3, np.int64)), "cu_seqlens_q"),
@@ -713,13 +736,15 @@ def test_prefill_launcher_errors(launcher, changes, message):
                                                      (16, 2, 24, "keys_per_tile must be a multiple of 16"),
                                                      (16, 2, 0, "keys_per_tile must be a multiple of 16"),
                                                      (16, 0, 16, "warps must be at least 1")])
-def test_prefill_tc_launcher_errors(d, warps, keys, message):
-    """What the tensor-core kernel refuses that prefill_attention takes (callers fall back on the ValueError),
-    and configurations it cannot run."""
+@pytest.mark.parametrize("launcher", [attention_tc.prefill_attention_tc,
+                                      attention_tc_pipelined.prefill_attention_tc_pipelined])
+def test_prefill_tc_launcher_errors(launcher, d, warps, keys, message):
+    """What the tensor-core kernels refuse that prefill_attention takes (callers fall back on the ValueError),
+    and configurations they cannot run."""
     changes = dict(q=np.zeros((5, 4, d), np.float32), out=np.zeros((5, 4, d), np.float32),
                    k_cache=np.zeros((3, 4, 2, d), np.uint16), v_cache=np.zeros((3, 4, 2, d), np.uint16))
     with pytest.raises(ValueError, match=message):
-        attention_tc.prefill_attention_tc(**_prefill_args(**changes), warps=warps, keys_per_tile=keys)
+        launcher(**_prefill_args(**changes), warps=warps, keys_per_tile=keys)
 
 
 @pytest.mark.parametrize("warps, rows, message", [(0, 16, "rows must be a positive multiple of warps"),
@@ -761,6 +786,9 @@ def test_kv_formats_the_simple_kernels_refuse():
     with pytest.raises(ValueError, match="prefill_attention_tc reads bf16 and fp8 caches, got fp32"):
         prefill_tc(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
                                    v_cache=np.zeros((3, 4, 2, 16), np.float32)))
+    with pytest.raises(ValueError, match="prefill_attention_tc_pipelined reads bf16 and fp8 caches, got fp32"):
+        prefill_tc_pipelined(**_prefill_args(k_cache=np.zeros((3, 4, 2, 16), np.float32),
+                                             v_cache=np.zeros((3, 4, 2, 16), np.float32)))
     fp32 = dict(k_cache=np.zeros((3, 4, 2, 16), np.float32), v_cache=np.zeros((3, 4, 2, 16), np.float32))
     with pytest.raises(ValueError, match="warps must be 1 to 8 "):   # the fp32 kernels' register bound
         paged_attention_gqa.paged_attention(**_decode_args(**fp32), lanes_per_key=8, warps=9)

@@ -804,6 +804,23 @@ def test_ldmatrix_x4_gives_each_lane_its_fragment(seed):
     np.testing.assert_array_equal(out.copy_to_host(), want)
 
 
+@settings(max_examples=examples(4, 20))
+@given(seeds)
+def test_ldmatrix_x4_trans_gives_each_lane_its_transposed_fragment(seed):
+    """Transposed: lane (g, t) gets, for matrix q, element g of the rows lanes 8 q + 2t and 8 q + 2t + 1
+    named (column g, rows 2t and 2t + 1), the first in the low half."""
+    rng = np.random.default_rng(seed)
+    sh = rng.integers(0, 2**16, 1024, dtype=np.uint16)
+    rows = (rng.integers(0, 1024 // async_copy.CHUNK, 32) * async_copy.CHUNK).astype(np.int64)
+    out = device_empty((32, 4), np.uint32)
+    async_copy.ldmatrix(to_device(sh), to_device(rows), out, trans=True)
+    lane = np.arange(32)[:, None]
+    first = 8 * np.arange(4)[None, :] + 2 * (lane % 4)
+    low, high = sh[rows[first] + lane // 4], sh[rows[first + 1] + lane // 4]
+    want = low.astype(np.uint32) | (high.astype(np.uint32) << np.uint32(16))
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
 @settings(max_examples=examples(4, 15))
 @given(seeds, st.integers(1, pick(12, 1100)), st.integers(1, pick(40, 3000)), x_scales, st.booleans())
 def test_bf16_planes_match_the_reference_bit_for_bit(seed, m, k, x_scale, bf16_inputs):

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, attention_policy, attention_tc, paged_attention
+from cuda_kernels import attention, attention_policy, attention_tc, attention_tc_pipelined, paged_attention
 from reference import paged_attention as ref
 from tools.course_ladders.common import FMA_PEAK_TFLOPS, MMA_PEAK_TFLOPS, Step
 from tools.kernel_benchmarks.attention import _atol, _paged_cache
@@ -71,13 +71,18 @@ def prefill_steps(real: bool) -> list[Step]:
         return run
 
     warps, keys = attention_policy.prefill_tc_config(d)
+    pipelined_warps, pipelined_keys = attention_policy.prefill_pipelined_config(d)
     flash_warps, rows = attention_policy.prefill_flash_config(d)
     rungs = [("7a prefill_attention_naive", "whole rows of scores in shared memory, three passes",
               attention.prefill_attention_naive, FMA_PEAK_TFLOPS),
              ("7b prefill_attention (flash)", "one pass, online softmax; K/V tiles shared by a block's rows",
               partial(attention.prefill_attention, warps=flash_warps, rows=rows), FMA_PEAK_TFLOPS),
              ("7c prefill_attention_tc", "both products on mma.sync; S and P stay in registers",
-              partial(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys), MMA_PEAK_TFLOPS / 3)]
+              partial(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys), MMA_PEAK_TFLOPS / 3),
+             ("7d prefill_attention_tc_pipelined", "next K/V tile copied by cp.async while this one is multiplied; "
+              "fragments by ldmatrix", partial(attention_tc_pipelined.prefill_attention_tc_pipelined,
+                                                 warps=pipelined_warps, keys_per_tile=pipelined_keys),
+              MMA_PEAK_TFLOPS / 3)]
     return [Step(version, idea, _case(version, runner(launcher), out, want, atol, flops=flops), peak)
             for version, idea, launcher, peak in rungs]
 

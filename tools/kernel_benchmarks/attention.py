@@ -8,7 +8,8 @@ engine_decode_case (tools/bench.py's kernels workload) is the decode call of the
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import attention, attention_policy, attention_tc, paged_attention, paged_attention_gqa
+from cuda_kernels import (attention, attention_policy, attention_tc, attention_tc_pipelined, paged_attention,
+                          paged_attention_gqa)
 from reference import paged_attention as ref
 from reference.bf16 import bf16_to_f32
 from reference.kv_format import kv_encode
@@ -149,9 +150,9 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
 
 
 def _prefill_cases(rng, chunks, naive=False, tc_configs=None):
-    """Prefill of sequences given as (new tokens, cached prefix) pairs: the SIMT flash kernel, the tensor-core
-    one (at its default tile and, for one long sequence, at 32-key tiles), and the naive one if asked; with
-    tc_configs ((warps, keys per tile) pairs), the tensor-core kernel at each of those only."""
+    """Prefill of sequences given as (new tokens, cached prefix) pairs: the two tensor-core kernels (attention_tc
+    and the pipelined one, each in its policy's configuration), the SIMT flash kernel, and the naive one if
+    asked; with tc_configs ((warps, keys per tile) pairs), the two tensor-core kernels at each of those only."""
     q_lens = [n for n, _ in chunks]
     contexts = [n + cached for n, cached in chunks]
     k_cache, v_cache, tables = _paged_cache(rng, contexts)
@@ -187,18 +188,18 @@ def _prefill_cases(rng, chunks, naive=False, tc_configs=None):
     else:
         layout = " + ".join(f"{n} tokens after {cached} cached" for n, cached in chunks)
     shape = f"{layout}, {HQ}/{HKV} heads, d {D}"
-    warps, keys = attention_policy.prefill_tc_config(D)
-    flash_warps, rows = attention_policy.prefill_flash_config(D)
-    variants = [(f"prefill_attention_tc ({warps} warps, {keys}-key tiles) {shape}",
-                 runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=keys)),
-                (f"prefill_attention (flash, fp32 SIMT) {shape}",
-                 runner(attention.prefill_attention, warps=flash_warps, rows=rows))]
+    kernels = (("prefill_attention_tc", attention_tc.prefill_attention_tc),
+               ("prefill_attention_tc_pipelined", attention_tc_pipelined.prefill_attention_tc_pipelined))
     if tc_configs:
-        variants = [(f"prefill_attention_tc ({w} warps, {k}-key tiles) {shape}",
-                     runner(attention_tc.prefill_attention_tc, warps=w, keys_per_tile=k)) for w, k in tc_configs]
-    elif len(chunks) == 1:
-        variants.insert(1, (f"prefill_attention_tc ({warps} warps, 32-key tiles) {shape}",
-                            runner(attention_tc.prefill_attention_tc, warps=warps, keys_per_tile=32)))
+        variants = [(f"{name} ({w} warps, {k}-key tiles) {shape}", runner(launcher, warps=w, keys_per_tile=k))
+                    for w, k in tc_configs for name, launcher in kernels]
+    else:
+        configs = (attention_policy.prefill_tc_config(D), attention_policy.prefill_pipelined_config(D))
+        variants = [(f"{name} ({w} warps, {k}-key tiles) {shape}", runner(launcher, warps=w, keys_per_tile=k))
+                    for (name, launcher), (w, k) in zip(kernels, configs)]
+        flash_warps, rows = attention_policy.prefill_flash_config(D)
+        variants.append((f"prefill_attention (flash, fp32 SIMT) {shape}",
+                         runner(attention.prefill_attention, warps=flash_warps, rows=rows)))
     if naive:
         variants.append((f"prefill_attention_naive {shape}", runner(attention.prefill_attention_naive)))
     return [Case("attention", name, run, check(run), flops=flops) for name, run in variants]

@@ -1,0 +1,328 @@
+"""Causal prefill attention on tensor cores, pipelined: attention_tc.py's flash kernel with the next K/V tile
+on its way into shared memory while the warps multiply the current one, and every mma operand gathered from
+shared memory by ldmatrix.
+
+Math, arguments, result and numerics are those of attention_tc.prefill_attention_tc (its module docstring):
+for each query row, s_j = scale <q, k_j> over the keys it may see, online softmax, out = sum_j p_j v_j /
+sum_j p_j; Q and P in three bf16 pieces each (every product exact, fp32 sums), K and V bf16 (an fp8 cache's
+e4m3 values widened to bf16, exactly).
+
+What changes over attention_tc, and why:
+- Two shared-memory stages for K/V tiles. Tile i + 1 is issued into the other stage before the warps multiply
+  tile i; with a bf16 cache the copies are cp.async (cuda_kernels/async_copy.py: 16 bytes from global to shared
+  memory without registers), so the cache's latency hides behind the mma work. attention_tc loads a tile,
+  stores it, waits at a barrier and only then multiplies: every tile pays the full memory latency, and its
+  few warps per SM cannot cover it. An fp8 cache is widened on the way (not a copy): the threads load,
+  convert and store its next tile into the other stage, so only its stores wait.
+- K and V keep the cache's layout in shared memory, a key's D elements in a row and the keys in order, so
+  a 16-byte copy lands as it is, and ldmatrix gathers the fragments: a K row is a column of the B operand of
+  S = Q K^T (k = dim, n = key), what the plain ldmatrix gives; V is the B operand of P V with k = key, what
+  ldmatrix .trans gives; Q's three pieces are staged once as rows, the A operand. The keys of S's n8 tile j
+  are 8 j .. 8 j + 7 in order, and the accumulators of tiles 2 s and 2 s + 1 are P's A fragment of key step
+  s as they stand (FlashAttention-2's register trick) without attention_tc's key permutation and 4 x 4
+  transposes.
+
+Thread mapping: grid = (S, ceil(max_q_len * G / ROWS), Hkv) with ROWS = 16 * WARPS (attention.row_tile: a
+block owns ROWS (query token, query head of the group) rows of one sequence and KV head); warp w owns rows
+16 w .. 16 w + 15 of the block, lane (g, t) = (lane // 4, lane % 4) rows g and g + 8 and columns 2t, 2t + 1 of
+each n8 tile (mma.py's layout). Dynamic shared memory, uint16, every row LD = D + 8 elements long (the 8 rows
+an ldmatrix matrix reads fall in 8 different 16-byte bank groups): Q's pieces (3 planes of ROWS rows), then
+two stages of TILE_KEYS K rows followed by TILE_KEYS V rows. Staging, thread i takes the chunks i, i +
+THREADS, ... of a tile (chunk c of row r: elements 8 c .. 8 c + 7 of key t0 + r; fp8: quads of 4), and
+writes zeros for keys at or past the last one the block may see (cp.async with a source size of 0): a slot
+past a context may hold NaN, and 0 * NaN is NaN.
+
+The step of the prefill ladder after attention_tc (attention.py: naive, then flash in fp32 on CUDA cores;
+attention_tc.py: flash on tensor cores).
+"""
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32, uint64
+
+from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4, \
+    ldmatrix_x4_trans
+from cuda_kernels.attention import NEG_INF, row_tile
+from cuda_kernels.attention_args import check_prefill_args, folded_scales
+from cuda_kernels.attention_tc import TC_FORMATS, TC_HEAD_DIMS, bf16_pair, quad_max2, quad_sum2
+from cuda_kernels.kv_format import e4m3x4_to_bf16x4
+from cuda_kernels.launch import launch, view
+from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
+from cuda_kernels.primitives import WARP
+
+_MASK16 = np.uint64(0xFFFF)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def shared_bytes(head_dim: int, warps: int, keys_per_tile: int) -> int:
+    """Dynamic shared memory of a block: Q's 3 planes of 16 * warps rows and 2 stages of K and V tiles."""
+    return (3 * 16 * warps + 2 * 2 * keys_per_tile) * (head_dim + CHUNK) * 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@lru_cache(maxsize=None)
+def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "bf16"):
+    """The pipelined tensor-core flash kernel: `warps` warps of 16 query rows each, K/V tiles of `keys` keys,
+    fmt "bf16" (cp.async copies of the cache's rows) or "fp8" (quads of e4m3 widened to bf16 as staged)."""
+    D, BLOCK_SIZE, WARPS, TILE_KEYS = head_dim, block_size, warps, keys
+    ROWS = 16 * WARPS
+    THREADS = WARPS * WARP
+    LD = D + CHUNK                       # shared row length (elements)
+    Q_PLANE = ROWS * LD
+    TILE = TILE_KEYS * LD                # one K or one V tile
+    KV_BASE = 3 * Q_PLANE                # stage s: K tile at KV_BASE + 2 s TILE, V tile right after
+    DIM_STEPS = D // 16                  # mma k-steps of S = Q K^T
+    DIM_TILES = D // 8                   # n8 tiles of O = P V
+    KEY_TILES = TILE_KEYS // 8           # n8 tiles of S
+    KEY_STEPS = TILE_KEYS // 16          # mma k-steps of P V
+    ASYNC = fmt == "bf16"
+    # bf16: 16-byte chunks (8 elements) per row; fp8: uint32 quads (4 elements) per row
+    ROW_PIECES = D // CHUNK if ASYNC else D // 4
+    PIECE = CHUNK if ASYNC else 4
+    PER_THREAD = _cdiv(TILE_KEYS * ROW_PIECES, THREADS)
+    Q_QUADS = ROWS * (D // 4)
+    Q_PER_THREAD = _cdiv(Q_QUADS, THREADS)
+    SACC = KEY_TILES * 4
+    OACC = DIM_TILES * 4
+    wait_all = cp_async_wait(0)
+
+    @cuda.jit(device=True, inline=True)
+    def piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i):
+        """(shared offset in a tile, flat index in the cache, valid) of staging piece i of the tile at t0."""
+        r, c = i // ROW_PIECES, i % ROW_PIECES
+        key = t0 + r
+        src = 0
+        valid = r < TILE_KEYS and key < k_end
+        if valid:
+            blk = block_tables[seq, key // BLOCK_SIZE]
+            src = ((blk * BLOCK_SIZE + key % BLOCK_SIZE) * kv_heads + kvh) * ROW_PIECES + c
+        return r * LD + PIECE * c, src, valid
+
+    @cuda.jit(device=True, inline=True)
+    def issue_tile(sh, base, words, block_tables, seq, kvh, kv_heads, t0, k_end, tid):
+        """Stage one K or V tile (keys t0 ..) at sh[base:]: cp.async of 16-byte chunks (bf16), or loads, the
+        e4m3 -> bf16 widening and stores (fp8; all loads issued before the first store)."""
+        if ASYNC:
+            for n in range(PER_THREAD):
+                i = tid + n * THREADS
+                if i < TILE_KEYS * ROW_PIECES:
+                    d, src, valid = piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i)
+                    cp_async_16(sh, base + d, words, src * CHUNK, valid)
+        else:
+            loaded = cuda.local.array(PER_THREAD, uint32)
+            for n in range(PER_THREAD):
+                d, src, valid = piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, tid + n * THREADS)
+                loaded[n] = words[src] if valid else uint32(0)
+            for n in range(PER_THREAD):
+                i = tid + n * THREADS
+                if i < TILE_KEYS * ROW_PIECES:
+                    d, src, valid = piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i)
+                    x = e4m3x4_to_bf16x4(loaded[n])
+                    for e in range(4):
+                        sh[base + d + e] = uint16((x >> uint64(16 * e)) & _MASK16)
+
+    @cuda.jit
+    def prefill_tc_pipelined_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale,
+                                    out):
+        # q, out (T, Hq, D) f32; k_words, v_words: the caches flat, bf16 as uint16 elements (fp8: uint32 quads)
+        sh = cuda.shared.array(0, uint16)
+        seq, kvh, kv_heads = cuda.blockIdx.x, cuda.blockIdx.z, cuda.gridDim.z
+        group, q_begin, n_rows, row0, first, k_end = row_tile(q, kv_heads, cu_seqlens_q, context_lens, ROWS)
+        if row0 >= n_rows:
+            return  # the whole block leaves together, before any barrier
+        tid = cuda.threadIdx.x
+        warp, lane = tid // WARP, tid % WARP
+        g, t = lane // 4, lane % 4
+        diag = first + row0 // group                       # tiles with a key past this need the mask
+        pos_lo = first + (row0 + 16 * warp + g) // group   # positions of this lane's rows g and g + 8
+        pos_hi = first + (row0 + 16 * warp + g + 8) // group
+        tiles = (k_end + TILE_KEYS - 1) // TILE_KEYS
+
+        # The first tile's copies go out first (weights of the wait: the cache), then Q's pieces are staged by
+        # the threads: quad i is dims 4 (i % (D/4)) .. + 3 of block row i // (D/4); rows past n_rows are zeros.
+        issue_tile(sh, KV_BASE, k_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
+        issue_tile(sh, KV_BASE + TILE, v_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
+        cp_async_commit()
+        for n in range(Q_PER_THREAD):
+            i = tid + n * THREADS
+            if i < Q_QUADS:
+                r, dim = i // (D // 4), 4 * (i % (D // 4))
+                for e in range(4):
+                    x = float32(0)
+                    if row0 + r < n_rows:
+                        x = q[q_begin + (row0 + r) // group, kvh * group + (row0 + r) % group, dim + e]
+                    hi, mid, lo = split_bf16x3(x)
+                    sh[r * LD + dim + e] = uint16(hi)
+                    sh[Q_PLANE + r * LD + dim + e] = uint16(mid)
+                    sh[2 * Q_PLANE + r * LD + dim + e] = uint16(lo)
+
+        sacc = cuda.local.array(SACC, float32)
+        oacc = cuda.local.array(OACC, float32)
+        bk = cuda.local.array((KEY_TILES, 2), uint32)
+        m = cuda.local.array(2, float32)         # running max of rows g, g + 8 (equal in the 4 lanes)
+        l = cuda.local.array(2, float32)         # this lane's share of their running sums
+        for i in range(OACC):
+            oacc[i] = float32(0)
+        for half in range(2):
+            m[half] = NEG_INF
+            l[half] = float32(0)
+        # this lane's ldmatrix rows (async_copy.py): A row 16 w + l % 16 at k + 8 (l // 16); K (B of S) key
+        # row (l % 8) + 8 (l // 16) at dim + 8 ((l // 8) % 2); V (B of P V, transposed) key row (l % 8) + 8
+        # ((l // 8) % 2) at dim + 8 (l // 16)
+        a_lane = (16 * warp + lane % 16) * LD + 8 * (lane // 16)
+        k_lane = (lane % 8 + 8 * (lane // 16)) * LD + 8 * ((lane // 8) % 2)
+        v_lane = (lane % 8 + 8 * ((lane // 8) % 2)) * LD + 8 * (lane // 16)
+
+        for it in range(tiles):
+            t0 = it * TILE_KEYS
+            wait_all()           # this thread's copies of tile `it` have landed
+            cuda.syncthreads()   # everyone's have (and Q's pieces); every warp is done with tile it - 1
+            if it + 1 < tiles:   # tile it + 1 into the stage tile it - 1 used
+                nxt = KV_BASE + 2 * TILE * ((it + 1) % 2)
+                issue_tile(sh, nxt, k_words, block_tables, seq, kvh, kv_heads, t0 + TILE_KEYS, k_end, tid)
+                issue_tile(sh, nxt + TILE, v_words, block_tables, seq, kvh, kv_heads, t0 + TILE_KEYS, k_end, tid)
+            cp_async_commit()
+            kt = KV_BASE + 2 * TILE * (it % 2)
+            vt = kt + TILE
+
+            # S = Q K^T (16 rows x TILE_KEYS keys per warp): per dim step, the B fragments of every key tile,
+            # then 3 mma (Q's pieces) per key tile.
+            for i in range(SACC):
+                sacc[i] = float32(0)
+            for s in range(DIM_STEPS):
+                for jj in range(KEY_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(sh, kt + 16 * jj * LD + 16 * s + k_lane)
+                    bk[2 * jj, 0], bk[2 * jj, 1], bk[2 * jj + 1, 0], bk[2 * jj + 1, 1] = b0, b1, b2, b3
+                for p in range(3):
+                    a0, a1, a2, a3 = ldmatrix_x4(sh, p * Q_PLANE + 16 * s + a_lane)
+                    for j in range(KEY_TILES):
+                        sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3] = mma_bf16_m16n8k16(
+                            a0, a1, a2, a3, bk[j, 0], bk[j, 1],
+                            sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3])
+
+            # Online softmax. Element (j, c) of this lane is row g (c < 2) or g + 8, key t0 + 8 j + 2 t + c % 2.
+            masked = t0 + TILE_KEYS - 1 > diag
+            mx_lo, mx_hi = NEG_INF, NEG_INF
+            for j in range(KEY_TILES):
+                for c in range(4):
+                    x = scale * sacc[4 * j + c]
+                    if masked and t0 + 8 * j + 2 * t + c % 2 > (pos_lo if c < 2 else pos_hi):
+                        x = NEG_INF
+                    sacc[4 * j + c] = x
+                    if c < 2:
+                        mx_lo = max(mx_lo, x)
+                    else:
+                        mx_hi = max(mx_hi, x)
+            mx_lo, mx_hi = quad_max2(mx_lo, mx_hi)
+            m_lo, m_hi = max(m[0], mx_lo), max(m[1], mx_hi)
+            # A row that has seen no visible key yet keeps m = -inf: use 0 so exp() gives 0, not NaN.
+            safe_lo = m_lo if m_lo != NEG_INF else float32(0)
+            safe_hi = m_hi if m_hi != NEG_INF else float32(0)
+            corr_lo, corr_hi = float32(math.exp(m[0] - safe_lo)), float32(math.exp(m[1] - safe_hi))
+            m[0], m[1] = m_lo, m_hi
+            sum_lo, sum_hi = float32(0), float32(0)
+            for j in range(KEY_TILES):
+                for c in range(4):
+                    prob = float32(math.exp(sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi)))
+                    sacc[4 * j + c] = prob
+                    if c < 2:
+                        sum_lo += prob
+                    else:
+                        sum_hi += prob
+            l[0] = l[0] * corr_lo + sum_lo
+            l[1] = l[1] * corr_hi + sum_hi
+            for j in range(DIM_TILES):
+                oacc[4 * j] *= corr_lo
+                oacc[4 * j + 1] *= corr_lo
+                oacc[4 * j + 2] *= corr_hi
+                oacc[4 * j + 3] *= corr_hi
+
+            # O += P V: key step s's A fragment is S's tiles 2 s (a0, a1) and 2 s + 1 (a2, a3), in three bf16
+            # pieces; V's B fragments of two dim tiles per ldmatrix .trans.
+            for s in range(KEY_STEPS):
+                j0, j1 = 8 * s, 8 * s + 4
+                h0, d0, l0 = split_bf16x3(sacc[j0])
+                h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
+                h2, d2, l2 = split_bf16x3(sacc[j0 + 2])
+                h3, d3, l3 = split_bf16x3(sacc[j0 + 3])
+                h4, d4, l4 = split_bf16x3(sacc[j1])
+                h5, d5, l5 = split_bf16x3(sacc[j1 + 1])
+                h6, d6, l6 = split_bf16x3(sacc[j1 + 2])
+                h7, d7, l7 = split_bf16x3(sacc[j1 + 3])
+                for jj in range(DIM_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(sh, vt + 16 * s * LD + 16 * jj + v_lane)
+                    for p in range(3):
+                        if p == 0:
+                            a0, a1, a2, a3 = bf16_pair(h0, h1), bf16_pair(h2, h3), bf16_pair(h4, h5), \
+                                bf16_pair(h6, h7)
+                        elif p == 1:
+                            a0, a1, a2, a3 = bf16_pair(d0, d1), bf16_pair(d2, d3), bf16_pair(d4, d5), \
+                                bf16_pair(d6, d7)
+                        else:
+                            a0, a1, a2, a3 = bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), \
+                                bf16_pair(l6, l7)
+                        j = 2 * jj
+                        oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
+                            a0, a1, a2, a3, b0, b1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
+                        j = 2 * jj + 1
+                        oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
+                            a0, a1, a2, a3, b2, b3, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
+
+        # Epilogue: the row sums across the group's 4 lanes, then out = O / l (lane: dims 8 j + 2 t, + 1).
+        total_lo, total_hi = quad_sum2(l[0], l[1])
+        for half in range(2):
+            r = row0 + 16 * warp + g + 8 * half
+            total = (total_lo if half == 0 else total_hi) / v_scale
+            if r < n_rows:
+                token = q_begin + r // group
+                head = kvh * group + r % group
+                for j in range(DIM_TILES):
+                    out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] / total
+                    out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] / total
+
+    return prefill_tc_pipelined_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def prefill_attention_tc_pipelined(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
+                                   max_q_len, stream=0, *, warps, keys_per_tile, k_scale=1.0, v_scale=1.0):
+    """attention.prefill_attention on tensor cores, pipelined (same arguments and result; the configuration is
+    the caller's: attention_policy.prefill_tc_config). Refuses (ValueError) what attention_tc refuses: a
+    head_dim outside TC_HEAD_DIMS, a cache outside TC_FORMATS, keys_per_tile not a multiple of 16, no warps."""
+    d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                                       max_q_len)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
+    if fmt not in TC_FORMATS:
+        raise ValueError(f"prefill_attention_tc_pipelined reads {' and '.join(TC_FORMATS)} caches, got {fmt} "
+                         f"(prefill_attention takes every format)")
+    if d not in TC_HEAD_DIMS:
+        raise ValueError(f"prefill_attention_tc_pipelined: head_dim must be one of {TC_HEAD_DIMS}, got {d} "
+                         f"(prefill_attention takes any multiple of 8)")
+    if keys_per_tile < 16 or keys_per_tile % 16:
+        raise ValueError(f"prefill_attention_tc_pipelined: keys_per_tile must be a multiple of 16, got "
+                         f"{keys_per_tile}")
+    if warps < 1:
+        raise ValueError(f"prefill_attention_tc_pipelined: warps must be at least 1, got {warps}")
+    num_seqs = context_lens.shape[0]
+    if num_seqs == 0 or max_q_len == 0:
+        return
+    num_kv_heads = k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    kernel = _kernel(d, block_size, warps, keys_per_tile, fmt)
+    grid = (num_seqs, -(-max_q_len * group // (16 * warps)), num_kv_heads)
+    words = np.uint16 if fmt == "bf16" else np.uint32     # bf16 elements, or quads of 4 e4m3
+    flat = (k_cache.size * k_cache.dtype.itemsize // np.dtype(words).itemsize,)
+    launch(kernel, grid, warps * WARP, stream, q, view(k_cache, flat, words), view(v_cache, flat, words),
+           block_tables, cu_seqlens_q, context_lens, scale, v_scale, out,
+           shared=shared_bytes(d, warps, keys_per_tile))
