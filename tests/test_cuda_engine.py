@@ -261,10 +261,11 @@ def test_first_step_logits_match_the_reference(llama_1b, gpu_llm):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
-def test_fp32_kv_cache_matches_the_reference_to_summation_order(llama_1b, gpu_llm):
+def test_fp32_kv_cache_matches_the_reference_to_summation_order(llama_1b):
     """The issue's check at full size: 1B shapes, fp32 matmul inputs and KV cache (the prefill runs the SIMT
     flash kernel, the decode the fast kernel over fp32 words): logits within 1e-5 of the largest, and the
-    reference's greedy tokens batched and alone. (gpu_llm holds 45% of the card: a small cache here.)"""
+    reference's greedy tokens batched and alone. (A small cache: gpu_llm, when the module's other tests made
+    it, holds 45% of the card.)"""
     llm = LLM(llama_1b, backend="cuda", max_num_seqs=16, max_num_batched_tokens=2048, num_kv_blocks=512,
               matmul_precision="fp32", kv_cache_dtype="fp32")
     rng = np.random.default_rng(5)
@@ -275,7 +276,7 @@ def test_fp32_kv_cache_matches_the_reference_to_summation_order(llama_1b, gpu_ll
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
-def test_fp8_kv_cache_on_the_1b_shapes(llama_1b, gpu_llm):
+def test_fp8_kv_cache_on_the_1b_shapes(llama_1b):
     """An fp8 cache on the 1B shapes (tensor-core prefill over e4m3 staged as bf16, the fast decode over 8
     elements per word, through CUDA graphs): the first-step logits match the fp8 reference within 2^-4 of the
     largest (roundings flipped by summation order move them more than with bf16, e4m3 steps being 16 times
