@@ -255,7 +255,7 @@ def policy_sweep(shapes=SWEEP_SHAPES):
     return cases
 
 
-PREFILL_SWEEP = ((4, 64), (4, 32), (2, 64), (8, 64), (8, 32), (4, 16))   # (warps, keys per tile)
+PREFILL_SWEEP = ((4, 64), (4, 32), (8, 64), (2, 64))   # (warps, keys per tile)
 
 
 def main() -> None:
