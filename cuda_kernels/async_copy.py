@@ -30,8 +30,9 @@ Two implementations, chosen at import time:
   no-ops), and ldmatrix is emulated with the same per-lane semantics: every lane writes its row index to a
   per-warp shared scratch, the block synchronises, every lane gathers its four registers from the rows the
   other lanes named, and the block synchronises again before the scratch can be reused.
-Rules for callers of ldmatrix_x4 and ldmatrix_x4_trans: all 32 lanes of every warp of the block call it, the same number of times
-(the instruction is warp-wide; the emulation synchronises the block), and blocks are at most 1024 threads.
+Rules for callers of ldmatrix_x4 and ldmatrix_x4_trans: all 32 lanes of every warp of the block call it, the
+same number of times (the instruction is warp-wide; the emulation synchronises the block), and blocks are at
+most 1024 threads.
 """
 
 from functools import lru_cache
