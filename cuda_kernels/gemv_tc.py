@@ -37,10 +37,11 @@ R tiles, all 4 * unroll * R weight words of a pass loaded before the first is us
 words are loaded before this one is multiplied, into a second set of registers). Lane (g, t) accumulates
 D[g, 2t], D[g, 2t+1], D[g+8, 2t], D[g+8, 2t+1] of each row tile r and n8 tile j (4 * NT * R accumulators),
 i.e. out[8j + 2t (+1), row]. With k_warps > 1 the parts meet in shared memory ([row warp][part][accumulator]
-[lane], consecutive lanes, consecutive words), one row tile at a time, and part 0 adds them in part order and
-stores the tile: deterministic, and no atomics or second kernel. Warps past the last row tile work on a
-clamped valid row and skip the stores; chunks past K and x rows past M are zeros (every warp of a block runs
-the same mma sequence: the simulator's mma synchronises the block).
+[lane], consecutive lanes, consecutive words), one row tile at a time, and every part adds them in part order
+for its share of the tile's outputs and stores those (the tail, below): deterministic, and no atomics or
+second kernel. Warps past the last row tile work on a clamped valid row and skip the stores; chunks past K and
+x rows past M are zeros (every warp of a block runs the same mma sequence: the simulator's mma synchronises
+the block).
 
 Row tiles (R). Every k-step a warp loads x's B fragments, one 8-byte word per lane and n8 tile (NT words), and
 its weight's A fragments, two words per row tile. With one tile a warp (R = 1) x is read from L1/L2 once per 16
@@ -54,6 +55,16 @@ store writes 8 consecutive outputs of 4 x rows), and consecutive tiles keep a ro
 run of 16 R columns (gated, rope: 8 R pairs) and the grid's tail in one place. The K-part reduction takes the
 tiles one at a time through the same buffer (2 R - 1 block barriers), so its shared memory does not grow with R:
 reduction_bytes, at most SHARED_LIMIT.
+
+The tail (k_warps > 1). A row tile's outputs are 2 NT half tiles (j, h): x row 8j + 2t + h of lane (g, t),
+two accumulators a lane (D rows g and g + 8), each summed over the parts, and one store (paired) or two
+(plain). Part p takes the half tiles with (2j + h) % k_warps == p: it reads their parts from shared memory,
+adds them and runs the epilogue (SiLU, the RoPE rotation and the KV-cache encode included). gemv_tc's first
+tail had part 0 do all of that alone while the other k_warps - 1 warps of the row group waited; now up to
+min(k_warps, 2 NT) warps share it (half tiles rather than n8 tiles, so that the policy's 8 parts have 4 and
+8 busy warps at 2 and 4 n8 tiles, not 2 and 4). Each half tile is still added in part order 0, 1, ..,
+starting from part 0's value, so the results are bit for bit those of the first tail; the shared buffer, the
+barriers and the stores (8 columns of 4 x rows an instruction, whichever warp issues it) are unchanged.
 
 Programmatic dependent launch: the first pass's weight words (pipelined: two passes) are loaded before
 pdl.grid_wait (weights are never written), as gemv does; x is read after it.
@@ -201,15 +212,27 @@ def _gemv_tc_kernel(nt: int, config: GemvTcConfig, pairing: str = "", head_dim: 
                         acc[i + 3] = d3
 
     @cuda.jit(device=True, inline=True)
-    def store_tile(dst, acc, n0, M, N, g, t):
-        """Write the row tile whose first weight row is n0 (paired: 2 x its first pair) from its accumulators
-        acc[0 .. NACC): lane (g, t) holds D rows g and g + 8 (paired: the two rows of pair n0 / 2 + g) for x
-        rows 8j + 2t + h."""
+    def part_sum(acc, red, rgroup, i, lane):
+        """Accumulator i of the row tile summed over the K parts in part order 0, 1, .. (one part: acc[i])."""
+        if KW == 1:
+            return acc[i]
+        total = red[rgroup, 0, i, lane]
+        for p in range(1, KW):
+            total += red[rgroup, p, i, lane]
+        return total
+
+    @cuda.jit(device=True, inline=True)
+    def store_tile(dst, acc, red, n0, M, N, part, rgroup, lane):
+        """Write this K part's share of the row tile whose first weight row is n0 (paired: 2 x its first pair):
+        the half tiles (j, h) with (2j + h) % KW == part. Lane (g, t) holds D rows g and g + 8 (paired: the two
+        rows of pair n0 / 2 + g) for x row 8j + 2t + h in accumulators 4j + h and 4j + 2 + h."""
+        g, t = lane // 4, lane % 4
         for j in range(NT):
             for h in range(2):
                 m = 8 * j + 2 * t + h
-                a, b = acc[4 * j + h], acc[4 * j + 2 + h]
-                if m < M:
+                if (2 * j + h) % KW == part and m < M:
+                    a = part_sum(acc, red, rgroup, 4 * j + h, lane)
+                    b = part_sum(acc, red, rgroup, 4 * j + 2 + h, lane)
                     if PAIRED:
                         pair = n0 // 2 + g
                         if pair < N // 2:
@@ -265,20 +288,13 @@ def _gemv_tc_kernel(nt: int, config: GemvTcConfig, pairing: str = "", head_dim: 
         red = cuda.shared.array(RED_SHAPE, float32)
         for r in range(R):
             if KW > 1:
-                # the K parts of the tile meet in shared memory; part 0 adds them in part order
+                # the K parts of the tile meet in shared memory, where each part adds those of its half tiles
                 if r > 0:
-                    cuda.syncthreads()   # part 0 has read the previous tile's parts
+                    cuda.syncthreads()   # every part has read the previous tile's parts
                 for i in range(NACC):
                     red[rgroup, part, i, lane] = acc[i]
                 cuda.syncthreads()
-                if part == 0:
-                    for i in range(NACC):
-                        total = red[rgroup, 0, i, lane]
-                        for p in range(1, KW):
-                            total += red[rgroup, p, i, lane]
-                        acc[i] = total
-            if part == 0:
-                store_tile(dst, acc, n0 + 16 * r, M, N, g, t)
+            store_tile(dst, acc, red, n0 + 16 * r, M, N, part, rgroup, lane)
             for i in range(NACC_ALL - NACC):
                 acc[i] = acc[i + NACC]
 
