@@ -181,6 +181,89 @@ def _same_quad(word):
     return word
 
 
+@lru_cache(maxsize=None)
+def online_softmax_step(key_tiles: int, dim_tiles: int):
+    """A device function step(sacc, m, l, oacc): one tile's online-softmax update for a lane's two rows (g and
+    g + 8) in the mma D layout. sacc holds the tile's scaled scores, -inf where masked (4 per n8 key tile:
+    elements 0, 1 of row g, 2, 3 of row g + 8); they become p = exp(s - m_new), m (the running max, equal
+    in the group's 4 lanes) moves to m_new, and this lane's running sums l and the O accumulators oacc (4 per
+    n8 dim tile) are rescaled by exp(m_old - m_new). A row that has seen no visible key yet keeps m = -inf
+    and gets p = 0 (exp against 0, not against -inf, which would give NaN)."""
+    KEY_TILES, DIM_TILES = key_tiles, dim_tiles
+
+    @cuda.jit(device=True, inline=True)
+    def step(sacc, m, l, oacc):
+        mx_lo, mx_hi = NEG_INF, NEG_INF
+        for j in range(KEY_TILES):
+            mx_lo = max(mx_lo, sacc[4 * j], sacc[4 * j + 1])
+            mx_hi = max(mx_hi, sacc[4 * j + 2], sacc[4 * j + 3])
+        mx_lo, mx_hi = quad_max2(mx_lo, mx_hi)
+        m_lo, m_hi = max(m[0], mx_lo), max(m[1], mx_hi)
+        safe_lo = m_lo if m_lo != NEG_INF else float32(0)
+        safe_hi = m_hi if m_hi != NEG_INF else float32(0)
+        corr_lo, corr_hi = float32(math.exp(m[0] - safe_lo)), float32(math.exp(m[1] - safe_hi))
+        m[0], m[1] = m_lo, m_hi
+        sum_lo, sum_hi = float32(0), float32(0)
+        for j in range(KEY_TILES):
+            for c in range(4):
+                prob = float32(math.exp(sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi)))
+                sacc[4 * j + c] = prob
+                if c < 2:
+                    sum_lo += prob
+                else:
+                    sum_hi += prob
+        l[0] = l[0] * corr_lo + sum_lo
+        l[1] = l[1] * corr_hi + sum_hi
+        for j in range(DIM_TILES):
+            oacc[4 * j] *= corr_lo
+            oacc[4 * j + 1] *= corr_lo
+            oacc[4 * j + 2] *= corr_hi
+            oacc[4 * j + 3] *= corr_hi
+
+    return step
+
+
+@cuda.jit(device=True, inline=True)
+def p_pieces(sacc, s):
+    """P's A fragment of key step s, taken from the accumulators of S's n8 tiles 2 s (a0, a1) and 2 s + 1
+    (a2, a3), as three fragments of bf16 pieces (hi, mid, lo: mma.split_bf16x3, exact): 12 registers."""
+    j0, j1 = 8 * s, 8 * s + 4
+    h0, d0, l0 = split_bf16x3(sacc[j0])
+    h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
+    h2, d2, l2 = split_bf16x3(sacc[j0 + 2])
+    h3, d3, l3 = split_bf16x3(sacc[j0 + 3])
+    h4, d4, l4 = split_bf16x3(sacc[j1])
+    h5, d5, l5 = split_bf16x3(sacc[j1 + 1])
+    h6, d6, l6 = split_bf16x3(sacc[j1 + 2])
+    h7, d7, l7 = split_bf16x3(sacc[j1 + 3])
+    return (bf16_pair(h0, h1), bf16_pair(h2, h3), bf16_pair(h4, h5), bf16_pair(h6, h7),
+            bf16_pair(d0, d1), bf16_pair(d2, d3), bf16_pair(d4, d5), bf16_pair(d6, d7),
+            bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), bf16_pair(l6, l7))
+
+
+@lru_cache(maxsize=None)
+def output_store(dim_tiles: int):
+    """A device function store(out, oacc, l, v_scale, q_begin, kvh, group, n_rows, r_lo, t): out = O / l for
+    this lane's rows r_lo and r_lo + 8 (dims 8 j + 2 t, + 1 of each of the dim_tiles n8 tiles), after the row
+    sums across the group's 4 lanes; rows past n_rows are not stored."""
+    DIM_TILES = dim_tiles
+
+    @cuda.jit(device=True, inline=True)
+    def store(out, oacc, l, v_scale, q_begin, kvh, group, n_rows, r_lo, t):
+        total_lo, total_hi = quad_sum2(l[0], l[1])
+        for half in range(2):
+            r = r_lo + 8 * half
+            total = (total_lo if half == 0 else total_hi) / v_scale
+            if r < n_rows:
+                token = q_begin + r // group
+                head = kvh * group + r % group
+                for j in range(DIM_TILES):
+                    out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] / total
+                    out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] / total
+
+    return store
+
+
 # ---------------------------------------------------------------------------------------------------------
 # kernels
 
@@ -217,6 +300,8 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
     V_LOADS = 4 * V_PER_THREAD
     SACC = KEY_TILES * 4             # S (then P) accumulators per lane
     OACC = DIM_TILES * 4             # O accumulators per lane
+    softmax_step = online_softmax_step(KEY_TILES, DIM_TILES)
+    store_output = output_store(DIM_TILES)
 
     @cuda.jit
     def prefill_tc_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
@@ -335,79 +420,33 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
             # Online softmax. Element (j, c) of this lane is row g (c < 2) or g + 8, key t0 + 16 (j // 2)
             # + 4 t + 2 (j % 2) + c % 2.
             masked = t0 + TILE_KEYS - 1 > diag   # the diagonal tile(s): some key lies past some row's position
-            mx_lo, mx_hi = NEG_INF, NEG_INF
             for j in range(KEY_TILES):
                 for c in range(4):
                     x = scale * sacc[4 * j + c]
-                    if masked:
-                        key = t0 + 16 * (j // 2) + 4 * t + 2 * (j % 2) + c % 2
-                        if key > (pos_lo if c < 2 else pos_hi):
-                            x = NEG_INF
+                    if masked and t0 + 16 * (j // 2) + 4 * t + 2 * (j % 2) + c % 2 > (pos_lo if c < 2 else pos_hi):
+                        x = NEG_INF
                     sacc[4 * j + c] = x
-                    if c < 2:
-                        mx_lo = max(mx_lo, x)
-                    else:
-                        mx_hi = max(mx_hi, x)
-            mx_lo, mx_hi = quad_max2(mx_lo, mx_hi)
-            m_lo, m_hi = max(m[0], mx_lo), max(m[1], mx_hi)
-            # A row that has seen no visible key yet keeps m = -inf: use 0 so exp() gives 0, not NaN.
-            safe_lo = m_lo if m_lo != NEG_INF else float32(0)
-            safe_hi = m_hi if m_hi != NEG_INF else float32(0)
-            corr_lo, corr_hi = float32(math.exp(m[0] - safe_lo)), float32(math.exp(m[1] - safe_hi))
-            m[0], m[1] = m_lo, m_hi
-            sum_lo, sum_hi = float32(0), float32(0)
-            for j in range(KEY_TILES):
-                for c in range(4):
-                    prob = float32(math.exp(sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi)))
-                    sacc[4 * j + c] = prob
-                    if c < 2:
-                        sum_lo += prob
-                    else:
-                        sum_hi += prob
-            l[0] = l[0] * corr_lo + sum_lo
-            l[1] = l[1] * corr_hi + sum_hi
-            for j in range(DIM_TILES):
-                oacc[4 * j] *= corr_lo
-                oacc[4 * j + 1] *= corr_lo
-                oacc[4 * j + 2] *= corr_hi
-                oacc[4 * j + 3] *= corr_hi
+            softmax_step(sacc, m, l, oacc)
 
             # O += P V. The S accumulators of n8 tiles 2s and 2s + 1 are exactly the A fragment of key step s
             # (keys 16 s + 4 t, + 1 in a0 / a1, + 2, + 3 in a2 / a3), split into three bf16 pieces.
             for s in range(KEY_STEPS):
-                j0, j1 = 8 * s, 8 * s + 4
-                h0, d0, l0 = split_bf16x3(sacc[j0])
-                h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
-                h2, d2, l2 = split_bf16x3(sacc[j0 + 2])
-                h3, d3, l3 = split_bf16x3(sacc[j0 + 3])
-                h4, d4, l4 = split_bf16x3(sacc[j1])
-                h5, d5, l5 = split_bf16x3(sacc[j1 + 1])
-                h6, d6, l6 = split_bf16x3(sacc[j1 + 2])
-                h7, d7, l7 = split_bf16x3(sacc[j1 + 3])
+                h0, h1, h2, h3, d0, d1, d2, d3, l0, l1, l2, l3 = p_pieces(sacc, s)
                 for p in range(3):
                     if p == 0:
-                        a0, a1, a2, a3 = bf16_pair(h0, h1), bf16_pair(h2, h3), bf16_pair(h4, h5), bf16_pair(h6, h7)
+                        a0, a1, a2, a3 = h0, h1, h2, h3
                     elif p == 1:
-                        a0, a1, a2, a3 = bf16_pair(d0, d1), bf16_pair(d2, d3), bf16_pair(d4, d5), bf16_pair(d6, d7)
+                        a0, a1, a2, a3 = d0, d1, d2, d3
                     else:
-                        a0, a1, a2, a3 = bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), bf16_pair(l6, l7)
+                        a0, a1, a2, a3 = l0, l1, l2, l3
                     for j in range(DIM_TILES):
                         b0, b1 = halves(v_frag[(s * V_PLANE_ROWS + 8 * j) * 4])
                         oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
             cuda.syncthreads()  # before the next tile overwrites ks, vs
 
-        # Epilogue: the row sums across the group's 4 lanes, then out = O / l (lane: dims 8 j + 2 t, + 1).
-        total_lo, total_hi = quad_sum2(l[0], l[1])
-        for half in range(2):
-            r = r_lo + 8 * half
-            total = (total_lo if half == 0 else total_hi) / v_scale
-            if r < n_rows:
-                token = q_begin + r // group
-                head = kvh * group + r % group
-                for j in range(DIM_TILES):
-                    out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] / total
-                    out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] / total
+        # Epilogue: the row sums across the group's 4 lanes, then out = O / l.
+        store_output(out, oacc, l, v_scale, q_begin, kvh, group, n_rows, r_lo, t)
 
     return prefill_tc_kernel
 

@@ -36,7 +36,6 @@ The step of the prefill ladder after attention_tc (attention.py: naive, then fla
 attention_tc.py: flash on tensor cores).
 """
 
-import math
 from functools import lru_cache
 
 import numpy as np
@@ -46,7 +45,7 @@ from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_asyn
     ldmatrix_x4_trans
 from cuda_kernels.attention import NEG_INF, row_tile
 from cuda_kernels.attention_args import check_prefill_args, folded_scales
-from cuda_kernels.attention_tc import TC_FORMATS, TC_HEAD_DIMS, bf16_pair, quad_max2, quad_sum2
+from cuda_kernels.attention_tc import TC_FORMATS, TC_HEAD_DIMS, online_softmax_step, output_store, p_pieces
 from cuda_kernels.kv_format import e4m3x4_to_bf16x4
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
@@ -93,6 +92,8 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
     SACC = KEY_TILES * 4
     OACC = DIM_TILES * 4
     wait_all = cp_async_wait(0)
+    softmax_step = online_softmax_step(KEY_TILES, DIM_TILES)
+    store_output = output_store(DIM_TILES)
 
     @cuda.jit(device=True, inline=True)
     def piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i):
@@ -209,66 +210,28 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
                             sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3])
 
             # Online softmax. Element (j, c) of this lane is row g (c < 2) or g + 8, key t0 + 8 j + 2 t + c % 2.
-            masked = t0 + TILE_KEYS - 1 > diag
-            mx_lo, mx_hi = NEG_INF, NEG_INF
+            masked = t0 + TILE_KEYS - 1 > diag   # the diagonal tile(s): some key lies past some row's position
             for j in range(KEY_TILES):
                 for c in range(4):
                     x = scale * sacc[4 * j + c]
                     if masked and t0 + 8 * j + 2 * t + c % 2 > (pos_lo if c < 2 else pos_hi):
                         x = NEG_INF
                     sacc[4 * j + c] = x
-                    if c < 2:
-                        mx_lo = max(mx_lo, x)
-                    else:
-                        mx_hi = max(mx_hi, x)
-            mx_lo, mx_hi = quad_max2(mx_lo, mx_hi)
-            m_lo, m_hi = max(m[0], mx_lo), max(m[1], mx_hi)
-            # A row that has seen no visible key yet keeps m = -inf: use 0 so exp() gives 0, not NaN.
-            safe_lo = m_lo if m_lo != NEG_INF else float32(0)
-            safe_hi = m_hi if m_hi != NEG_INF else float32(0)
-            corr_lo, corr_hi = float32(math.exp(m[0] - safe_lo)), float32(math.exp(m[1] - safe_hi))
-            m[0], m[1] = m_lo, m_hi
-            sum_lo, sum_hi = float32(0), float32(0)
-            for j in range(KEY_TILES):
-                for c in range(4):
-                    prob = float32(math.exp(sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi)))
-                    sacc[4 * j + c] = prob
-                    if c < 2:
-                        sum_lo += prob
-                    else:
-                        sum_hi += prob
-            l[0] = l[0] * corr_lo + sum_lo
-            l[1] = l[1] * corr_hi + sum_hi
-            for j in range(DIM_TILES):
-                oacc[4 * j] *= corr_lo
-                oacc[4 * j + 1] *= corr_lo
-                oacc[4 * j + 2] *= corr_hi
-                oacc[4 * j + 3] *= corr_hi
+            softmax_step(sacc, m, l, oacc)
 
             # O += P V: key step s's A fragment is S's tiles 2 s (a0, a1) and 2 s + 1 (a2, a3), in three bf16
             # pieces; V's B fragments of two dim tiles per ldmatrix .trans.
             for s in range(KEY_STEPS):
-                j0, j1 = 8 * s, 8 * s + 4
-                h0, d0, l0 = split_bf16x3(sacc[j0])
-                h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
-                h2, d2, l2 = split_bf16x3(sacc[j0 + 2])
-                h3, d3, l3 = split_bf16x3(sacc[j0 + 3])
-                h4, d4, l4 = split_bf16x3(sacc[j1])
-                h5, d5, l5 = split_bf16x3(sacc[j1 + 1])
-                h6, d6, l6 = split_bf16x3(sacc[j1 + 2])
-                h7, d7, l7 = split_bf16x3(sacc[j1 + 3])
+                h0, h1, h2, h3, d0, d1, d2, d3, l0, l1, l2, l3 = p_pieces(sacc, s)
                 for jj in range(DIM_TILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(sh, vt + 16 * s * LD + 16 * jj + v_lane)
                     for p in range(3):
                         if p == 0:
-                            a0, a1, a2, a3 = bf16_pair(h0, h1), bf16_pair(h2, h3), bf16_pair(h4, h5), \
-                                bf16_pair(h6, h7)
+                            a0, a1, a2, a3 = h0, h1, h2, h3
                         elif p == 1:
-                            a0, a1, a2, a3 = bf16_pair(d0, d1), bf16_pair(d2, d3), bf16_pair(d4, d5), \
-                                bf16_pair(d6, d7)
+                            a0, a1, a2, a3 = d0, d1, d2, d3
                         else:
-                            a0, a1, a2, a3 = bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), \
-                                bf16_pair(l6, l7)
+                            a0, a1, a2, a3 = l0, l1, l2, l3
                         j = 2 * jj
                         oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
@@ -276,17 +239,8 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
                         oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b2, b3, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
 
-        # Epilogue: the row sums across the group's 4 lanes, then out = O / l (lane: dims 8 j + 2 t, + 1).
-        total_lo, total_hi = quad_sum2(l[0], l[1])
-        for half in range(2):
-            r = row0 + 16 * warp + g + 8 * half
-            total = (total_lo if half == 0 else total_hi) / v_scale
-            if r < n_rows:
-                token = q_begin + r // group
-                head = kvh * group + r % group
-                for j in range(DIM_TILES):
-                    out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] / total
-                    out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] / total
+        # Epilogue: the row sums across the group's 4 lanes, then out = O / l.
+        store_output(out, oacc, l, v_scale, q_begin, kvh, group, n_rows, row0 + 16 * warp + g, t)
 
     return prefill_tc_pipelined_kernel
 
@@ -298,7 +252,7 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
 def prefill_attention_tc_pipelined(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
                                    max_q_len, stream=0, *, warps, keys_per_tile, k_scale=1.0, v_scale=1.0):
     """attention.prefill_attention on tensor cores, pipelined (same arguments and result; the configuration is
-    the caller's: attention_policy.prefill_tc_config). Refuses (ValueError) what attention_tc refuses: a
+    the caller's: attention_policy.prefill_pipelined_config). Refuses (ValueError) what attention_tc refuses: a
     head_dim outside TC_HEAD_DIMS, a cache outside TC_FORMATS, keys_per_tile not a multiple of 16, no warps."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
