@@ -69,9 +69,7 @@ if SIMULATOR:
         return wait
 
     @cuda.jit(device=True)
-    def ldmatrix_x4(sh, i):
-        """(r0, r1, r2, r3) for this lane: r_q = row lane // 4 of matrix q, elements 2 (lane % 4) and + 1,
-        where lane 8 q + r gave the index of that matrix's row r (see the module docstring)."""
+    def _ldmatrix_emulated(sh, i, trans):
         rows = cuda.shared.array((_MAX_WARPS, WARP), int64)
         tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
         warp, lane = tid // WARP, tid % WARP
@@ -80,25 +78,24 @@ if SIMULATOR:
         g, c = lane // 4, 2 * (lane % 4)
         regs = cuda.local.array(4, uint32)
         for q in range(4):
-            a = rows[warp, 8 * q + g] + c
-            regs[q] = uint32(sh[a]) | (uint32(sh[a + 1]) << uint32(16))
+            if trans:   # column g, rows c and c + 1
+                lo, hi = sh[rows[warp, 8 * q + c] + g], sh[rows[warp, 8 * q + c + 1] + g]
+            else:       # row g, elements c and c + 1
+                lo, hi = sh[rows[warp, 8 * q + g] + c], sh[rows[warp, 8 * q + g] + c + 1]
+            regs[q] = uint32(lo) | (uint32(hi) << uint32(16))
         cuda.syncthreads()  # every lane has read the scratch: the next call may overwrite it
         return regs[0], regs[1], regs[2], regs[3]
 
     @cuda.jit(device=True)
+    def ldmatrix_x4(sh, i):
+        """(r0, r1, r2, r3) for this lane: r_q = row lane // 4 of matrix q, elements 2 (lane % 4) and + 1,
+        where lane 8 q + r gave the index of that matrix's row r (see the module docstring)."""
+        return _ldmatrix_emulated(sh, i, False)
+
+    @cuda.jit(device=True)
     def ldmatrix_x4_trans(sh, i):
         """(r0, r1, r2, r3) for this lane: r_q = column lane // 4 of matrix q, rows 2 (lane % 4) and + 1."""
-        rows = cuda.shared.array((_MAX_WARPS, WARP), int64)
-        tid = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
-        warp, lane = tid // WARP, tid % WARP
-        rows[warp, lane] = i
-        cuda.syncthreads()
-        g, r = lane // 4, 2 * (lane % 4)
-        regs = cuda.local.array(4, uint32)
-        for q in range(4):
-            regs[q] = uint32(sh[rows[warp, 8 * q + r] + g]) | (uint32(sh[rows[warp, 8 * q + r + 1] + g]) << uint32(16))
-        cuda.syncthreads()
-        return regs[0], regs[1], regs[2], regs[3]
+        return _ldmatrix_emulated(sh, i, True)
 
 else:
     from llvmlite import ir

@@ -169,9 +169,9 @@ def prefill_tc(q, *args, keys_per_tile=None, **kwargs):
 
 
 def prefill_tc_pipelined(q, *args, keys_per_tile=None, **kwargs):
-    """attention_tc_pipelined.prefill_attention_tc_pipelined (same arguments) in prefill_tc_config's
-    configuration, keys_per_tile overriding its tile."""
-    warps, keys = attention_policy.prefill_tc_config(q.shape[2])
+    """attention_tc_pipelined.prefill_attention_tc_pipelined (same arguments) in
+    attention_policy.prefill_pipelined_config's configuration; keys_per_tile: another tile size."""
+    warps, keys = attention_policy.prefill_pipelined_config(q.shape[2])
     attention_tc_pipelined.prefill_attention_tc_pipelined(q, *args, warps=warps, keys_per_tile=keys_per_tile or keys,
                                                           **kwargs)
 
@@ -553,32 +553,21 @@ def test_prefill_attention_naive_matches_reference(seed, chunks, hg, d, block_si
 tc_head_dims = st.sampled_from(pick([16, 32], [64, 64, 128, 16, 32]))
 
 
+@pytest.mark.parametrize("launcher", [prefill_tc, prefill_tc_pipelined])
 @settings(max_examples=examples(6, 60))
 @given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]),
        st.sampled_from([f for f in KV_FORMATS if f[0] in attention_tc.TC_FORMATS]))
 @example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None,
          fmt=KV_FORMATS[0])
 @example(seed=2, chunks=[(5, 20)], hg=(1, 3), d=16, block_size=3, kind="normal", keys=None, fmt=KV_FORMATS[4])
-def test_prefill_attention_tc_matches_reference(seed, chunks, hg, d, block_size, kind, keys, fmt):
-    """keys: keys per K/V tile (None: prefill_tc_config's); 128-dim heads keep their own (at 32 keys their
-    accumulators spill registers; at 64 the tiles pass 48 KB of shared memory). fp8 caches are staged as bf16
-    (exact); fp32 ones are refused (test_kv_formats_the_simple_kernels_refuse)."""
+def test_prefill_attention_tc_matches_reference(launcher, seed, chunks, hg, d, block_size, kind, keys, fmt):
+    """Both tensor-core kernels (attention_tc, and the pipelined one, whose two stages alternate from the second
+    tile on). keys: keys per K/V tile (None: the policy's); 128-dim heads keep their own (attention_tc's
+    accumulators spill registers at 32 keys; at 64 its tiles pass 48 KB of shared memory). fp8 caches are
+    staged as bf16 (exact); fp32 ones are refused (test_kv_formats_the_simple_kernels_refuse)."""
     keys = None if d > 64 else keys
-    run_prefill(partial(prefill_tc, keys_per_tile=keys), np.random.default_rng(seed), chunks, *hg, d, block_size,
+    run_prefill(partial(launcher, keys_per_tile=keys), np.random.default_rng(seed), chunks, *hg, d, block_size,
                 kind, fmt)
-
-
-@settings(max_examples=examples(6, 60))
-@given(seeds, prefill_chunks(), heads, tc_head_dims, block_sizes, kinds, st.sampled_from([None, 32]),
-       st.sampled_from([f for f in KV_FORMATS if f[0] in attention_tc.TC_FORMATS]))
-@example(seed=1, chunks=[(9, 37), (3, 0)], hg=(2, 2), d=16, block_size=3, kind="normal", keys=None,
-         fmt=KV_FORMATS[0])
-@example(seed=2, chunks=[(5, 20)], hg=(1, 3), d=16, block_size=3, kind="normal", keys=None, fmt=KV_FORMATS[4])
-def test_prefill_attention_tc_pipelined_matches_reference(seed, chunks, hg, d, block_size, kind, keys, fmt):
-    """The pipelined kernel on attention_tc's cases: two stages alternate from the second tile on (16-key
-    tiles in the simulator: up to four tiles), fp8 caches widened as staged."""
-    run_prefill(partial(prefill_tc_pipelined, keys_per_tile=keys), np.random.default_rng(seed), chunks, *hg, d,
-                block_size, kind, fmt)
 
 
 @pytest.mark.parametrize("launcher", [prefill_tc, prefill_tc_pipelined])
