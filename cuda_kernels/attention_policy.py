@@ -14,7 +14,7 @@ Decode, paged_attention_gqa.paged_attention (decode_config gathers the three cho
 - decode_workspace_size: the split's workspace for every batch up to a size (the runner allocates it once).
 Prefill:
 - uses_prefill_tc: a tensor-core kernel where the head size and the KV format allow, else
-  attention.prefill_attention (the SIMT flash kernel); PREFILL_PIPELINED: which one,
+  attention.prefill_attention (the SIMT flash kernel); uses_prefill_pipelined: which one,
   attention_tc_pipelined.prefill_attention_tc_pipelined or attention_tc.prefill_attention_tc;
 - prefill_tc_config, prefill_pipelined_config: their warps and keys per K/V tile, by head_dim;
 - prefill_flash_config: the SIMT flash kernel's warps and query rows per block, by head_dim.
@@ -116,9 +116,12 @@ def decode_workspace_size(max_num_seqs, num_heads, num_kv_heads, head_dim, max_b
 # prefill policies
 
 
-# NOTE: the pipelined kernel is the step after attention_tc in the prefill ladder (faster where measured:
-# docs/performance.md); False runs attention_tc instead, for side-by-side runs
+# NOTE: the pipelined kernel, the step after attention_tc in the prefill ladder, runs where a GPU has checked
+# it against the reference and timed it faster (bf16 caches, head_dim up to 64: docs/performance.md, "prefill
+# attention (tensor cores)"); elsewhere attention_tc. False runs attention_tc everywhere, for side-by-side runs.
 PREFILL_PIPELINED = True
+PIPELINED_FORMATS = ("bf16",)
+PIPELINED_MAX_HEAD_DIM = 64
 
 
 def uses_prefill_tc(head_dim: int, fmt: str) -> bool:
@@ -127,6 +130,12 @@ def uses_prefill_tc(head_dim: int, fmt: str) -> bool:
     NOTE: wherever it can (an fp32 cache, the checking format, takes the SIMT kernel); never in the simulator,
     where every emulated mma costs two block barriers over Python threads (the kernel tests cover both)."""
     return not SIMULATOR and head_dim in attention_tc.TC_HEAD_DIMS and fmt in attention_tc.TC_FORMATS
+
+
+def uses_prefill_pipelined(head_dim: int, fmt: str) -> bool:
+    """Whether prefill_attention's tensor-core kernel is the pipelined one (PREFILL_PIPELINED, and a format
+    and head size it has been verified and timed at on a GPU) rather than attention_tc."""
+    return PREFILL_PIPELINED and fmt in PIPELINED_FORMATS and head_dim <= PIPELINED_MAX_HEAD_DIM
 
 
 def prefill_tc_config(head_dim: int) -> tuple[int, int]:
@@ -144,7 +153,8 @@ def prefill_tc_config(head_dim: int) -> tuple[int, int]:
 def prefill_pipelined_config(head_dim: int) -> tuple[int, int]:
     """(warps per block, keys per K/V tile) of attention_tc_pipelined.prefill_attention_tc_pipelined.
 
-    NOTE: 4 warps and 64-key tiles at head_dim up to 64, 32-key tiles at 128, none of them spilling registers
+    NOTE: 4 warps and 64-key tiles at head_dim up to 64 (the fastest of the four timed on one 1,024-token
+    prompt, with 32-key tiles within 0.3%), 32-key tiles at 128 (not timed yet); none spills registers
     (docs/performance.md, "prefill attention (tensor cores)"); the simulator's is prefill_tc_config's."""
     if SIMULATOR:
         return prefill_tc_config(head_dim)
@@ -186,8 +196,9 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     arguments and result): a tensor-core kernel (PREFILL_PIPELINED) in its configuration where uses_prefill_tc
     says, else the SIMT flash kernel in prefill_flash_config's."""
     head_dim = q.shape[2]
-    if uses_prefill_tc(head_dim, kv_format.format_of(k_cache)):
-        if PREFILL_PIPELINED:
+    fmt = kv_format.format_of(k_cache)
+    if uses_prefill_tc(head_dim, fmt):
+        if uses_prefill_pipelined(head_dim, fmt):
             warps, keys = prefill_pipelined_config(head_dim)
             kernel = attention_tc_pipelined.prefill_attention_tc_pipelined
         else:

@@ -162,6 +162,25 @@ def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[flo
     return total, {label: (s / runs * 1e3, calls[label] // runs) for label, s in seconds.items()}
 
 
+def attention_ab(llm, prompt, rounds: int = 2) -> None:
+    """The TTFT with each tensor-core prefill attention (attention_tc, then the pipelined kernel; best of 5,
+    `rounds` times in turn), and whether the two give the same 8 greedy tokens."""
+    tokens = {}
+    try:
+        for rnd in range(rounds):
+            for pipelined in (False, True):
+                attention_policy.PREFILL_PIPELINED = pipelined
+                ttft = tv_prefill(llm, prompt, runs=5)
+                out = llm.generate([prompt], [greedy(8)], use_tqdm=False)[0]
+                tokens.setdefault(pipelined, out.outputs[0].token_ids)
+                name = "pipelined" if pipelined else "attention_tc"
+                print(f"round {rnd} {name}: TTFT best {ttft['ttft_ms']:.2f} ms of "
+                      f"{[round(t, 2) for t in ttft['runs_ttft_ms']]}", flush=True)
+    finally:
+        attention_policy.PREFILL_PIPELINED = True
+    print(f"the two kernels' 8 greedy tokens equal: {tokens[False] == tokens[True]}", flush=True)
+
+
 def print_table(title: str, parts: dict[str, tuple[float, int]]) -> None:
     print(f"| {title} | ms per prefill | calls |\n| --- | ---: | ---: |")
     for label, (ms, n) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
@@ -177,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--matmul-precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     p.add_argument("--runs", type=int, default=3, help="synchronized prefills averaged (default 3)")
     p.add_argument("--reps", type=int, default=10, help="replays of each captured graph timed (default 10)")
+    p.add_argument("--attention-ab", action="store_true",
+                   help="also time the TTFT with prefill attention on attention_tc and on the pipelined kernel, "
+                        "alternating in the same engine (attention_policy.PREFILL_PIPELINED), two rounds")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -197,6 +219,8 @@ def main(argv=None) -> int:
             whole, parts = graph_breakdown(llm, prompt, args.reps)
             print(f"{precision}: {whole:.2f} ms of GPU time for the step replayed as one CUDA graph")
             print_table(f"launcher ({precision}), graph replay", parts)
+        if args.attention_ab:
+            attention_ab(llm, prompt)
         total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
         print_table(f"launcher ({precision}), synchronized", parts)

@@ -760,6 +760,31 @@ def test_prefill_flash_config():
         assert [attention_policy.prefill_flash_config(d)[1] for d in (64, 128)] == [64, 16]
 
 
+def test_prefill_takes_the_pipelined_kernel_only_where_a_gpu_verified_it(monkeypatch):
+    """bf16 caches at head_dim up to 64 (PIPELINED_FORMATS, PIPELINED_MAX_HEAD_DIM); fp8, head_dim 128 and
+    PREFILL_PIPELINED off keep attention_tc. The entry point calls the kernel the policy names."""
+    assert attention_policy.uses_prefill_pipelined(64, "bf16") and attention_policy.uses_prefill_pipelined(16, "bf16")
+    assert not attention_policy.uses_prefill_pipelined(128, "bf16")
+    assert not attention_policy.uses_prefill_pipelined(64, "fp8")
+    monkeypatch.setattr(attention_policy, "PREFILL_PIPELINED", False)
+    assert not attention_policy.uses_prefill_pipelined(64, "bf16")
+    monkeypatch.setattr(attention_policy, "PREFILL_PIPELINED", True)
+    called = []
+    monkeypatch.setattr(attention_policy, "uses_prefill_tc", lambda d, fmt: True)
+    for name, module in (("prefill_attention_tc", attention_tc),
+                         ("prefill_attention_tc_pipelined", attention_tc_pipelined)):
+        monkeypatch.setattr(module, name, lambda *a, name=name, **k: called.append((name, k["warps"],
+                                                                                    k["keys_per_tile"])))
+    for d, fmt in ((64, "bf16"), (64, "fp8"), (128, "bf16")):
+        args = _prefill_args(q=np.zeros((5, 4, d), np.float32), out=np.zeros((5, 4, d), np.float32),
+                             k_cache=np.zeros((3, 4, 2, d), kv_format.DTYPES[fmt]),
+                             v_cache=np.zeros((3, 4, 2, d), kv_format.DTYPES[fmt]))
+        attention_policy.prefill_attention(**args)
+    assert called == [("prefill_attention_tc_pipelined", *attention_policy.prefill_pipelined_config(64)),
+                      ("prefill_attention_tc", *attention_policy.prefill_tc_config(64)),
+                      ("prefill_attention_tc", *attention_policy.prefill_tc_config(128))]
+
+
 def test_kv_formats_the_simple_kernels_refuse():
     """v1 and split read bf16 only, the tensor-core prefill bf16 and fp8; the scales are fp8's alone. Each says
     so, naming the kernels that take the format."""
