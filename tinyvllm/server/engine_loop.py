@@ -3,7 +3,7 @@
 A step runs the model (NumPy on the CPU; kernel launches and a device sync on the GPU). On the event loop it
 would stall every connection for its duration, so it runs in a thread of its own, and nothing else touches the
 engine. Handlers post commands (add, abort) to a thread-safe queue, which the thread applies between steps;
-each request's outputs come back through its own asyncio.Queue, filled with one call_soon_threadsafe per step.
+each request's outputs come back through its RequestStream, all of a step's in one call_soon_threadsafe.
 
 A request whose handler goes away (the client hung up) is aborted before the next step, which frees its KV
 blocks. If a step raises, the loop stops: every request in flight gets the error, /health reports it, and new
@@ -65,24 +65,38 @@ class RequestAborted(APIError):
 
 class RequestStream:
     """One submitted request, seen from its handler: iterate `outputs()`, and always `close()` it (in a
-    finally): closing before the last output aborts the request in the engine, which frees its KV blocks."""
+    finally): closing before the last output aborts the request in the engine, which frees its KV blocks.
+
+    NOTE: a mailbox of one output, not a queue: outputs are cumulative, so a consumer that falls behind needs
+    only the newest, and at saturation (hundreds of streams, an output each every step) an asyncio.Queue's
+    put and get were a good part of the event loop's cost per chunk."""
+
+    __slots__ = ("_owner", "request_id", "finished", "_open", "_latest", "_error", "_waiter")
 
     def __init__(self, owner: "EngineLoop", request_id: str):
         self._owner = owner
         self.request_id = request_id
-        self._queue: asyncio.Queue = owner._streams[request_id]
-        self._open = True
         self.finished = False
+        self._open = True
+        self._latest: RequestOutput | None = None   # the newest output not yet handed over
+        self._error: BaseException | None = None    # the first error, handed over before any output
+        self._waiter: asyncio.Future | None = None  # set while outputs() waits
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The outputs as the engine produces them (with final_only, just the last one). Each is cumulative,
-        so when the consumer falls behind only the newest is handed over."""
+        so when the consumer falls behind only the newest is handed over; an error (the request failed, was
+        aborted by the server, or the engine stopped) is raised instead."""
         while not self.finished:
-            item = await self._queue.get()
-            while not isinstance(item, BaseException) and not self._queue.empty():
-                item = self._queue.get_nowait()
-            if isinstance(item, BaseException):
-                raise item
+            if self._latest is None and self._error is None:
+                self._waiter = self._owner._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            item, self._latest = self._latest, None
             self.finished = item.finished
             yield item
 
@@ -90,6 +104,19 @@ class RequestStream:
         if self._open:
             self._open = False
             self._owner._release(self.request_id, abort=not self.finished)
+
+    # -- the event loop's side: what the engine thread's callbacks hand over
+
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 @dataclass
@@ -123,7 +150,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}   # event-loop side: requests whose handler listens
+        self._streams: dict[str, RequestStream] = {}   # event-loop side: requests whose handler listens
         self._live: dict[str, float] = {}              # engine-thread side: request id -> arrival time
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,7 +186,7 @@ class EngineLoop:
 
     def abort_all(self) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(RequestAborted())
+            stream._fail(RequestAborted())
 
     @property
     def healthy(self) -> bool:
@@ -186,9 +213,9 @@ class EngineLoop:
             self.metrics.request_rejected()
             raise ServerBusy(f"the server holds {len(self._streams)} requests, its limit: retry later")
         request_id = str(next(self._ids))
-        self._streams[request_id] = asyncio.Queue()
+        stream = self._streams[request_id] = RequestStream(self, request_id)
         self._commands.put(_Add(request_id, prompt_ids, params, final_only, arrival))
-        return RequestStream(self, request_id)
+        return stream
 
     def _release(self, request_id: str, abort: bool) -> None:
         del self._streams[request_id]
@@ -250,17 +277,18 @@ class EngineLoop:
     # -- back on the event loop -----------------------------------------------------------------------------
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = streams.get(out.request_id)
             if stream is not None:  # else its handler is gone and its abort is on the way
-                stream.put_nowait(out)
+                stream._put(out)
 
     def _deliver_error(self, request_id: str, error: Exception) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_nowait(error)
+            stream._fail(error)
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         for stream in self._streams.values():
-            stream.put_nowait(EngineFailed(exc))
+            stream._fail(EngineFailed(exc))

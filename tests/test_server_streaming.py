@@ -1,0 +1,122 @@
+"""The streaming path's parts, without HTTP: how an SSE chunk is rendered, and how a request's outputs reach
+its handler (RequestStream: the newest output, errors first, an abort only for an unfinished request)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tinyvllm.engine import CompletionOutput, RequestOutput
+from tinyvllm.server.engine_loop import EngineLoop, RequestAborted, _Abort
+from tinyvllm.server.metrics import Metrics
+from tinyvllm.server.protocol import APIError
+from tinyvllm.server.serving import ChatFormat, ChunkEvent, CompletionFormat
+
+HEAD = {"id": "cmpl-1", "created": 1700000000, "model": "tiny"}
+
+
+def dumped(fmt, include_usage: bool, choices: list[dict]) -> str:
+    """The event as plain json.dumps writes it (what ChunkEvent must reproduce byte for byte)."""
+    chunk = {**HEAD, "object": fmt.chunk_object, "choices": choices, **({"usage": None} if include_usage else {})}
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=1), index=st.integers(0, 300), fmt=st.sampled_from([ChatFormat, CompletionFormat]),
+       include_usage=st.booleans())
+def test_a_text_chunk_is_rendered_as_json_dumps_renders_it(text, index, fmt, include_usage):
+    # text: any code points, quotes, backslashes, control characters, lone surrogates
+    event = ChunkEvent({**HEAD, "object": fmt.chunk_object}, include_usage, fmt)
+    assert event([event.choice(index, text, None, None)]) == \
+        dumped(fmt, include_usage, [fmt.delta(index, text, None, None)])
+
+
+@pytest.mark.parametrize("fmt", [ChatFormat, CompletionFormat])
+def test_chunks_with_finish_reasons_logprobs_or_several_choices(fmt):
+    event = ChunkEvent({**HEAD, "object": fmt.chunk_object}, True, fmt)
+    logprobs = {"content": [{"token": "a", "logprob": -0.5}]}
+    cases = [[(0, "end", "stop", None)], [(0, "", "length", None)], [(1, "x", None, logprobs)],
+             [(0, "a\"b", None, None), (2, "c", "stop", None)]]
+    for case in cases:
+        got = event([event.choice(*args) for args in case])
+        assert got == dumped(fmt, True, [fmt.delta(*args) for args in case])
+        assert json.loads(got[len("data: "):])["choices"][-1]["index"] == case[-1][0]
+
+
+def output(request_id: str, text: str, finished: bool = False) -> RequestOutput:
+    completion = CompletionOutput(0, text, [1] * len(text), "length" if finished else None)
+    return RequestOutput(request_id, None, [1, 2], [completion], finished)
+
+
+def fake_engine_loop() -> EngineLoop:
+    """An EngineLoop whose thread never starts: the test plays the engine thread's callbacks."""
+    engine = SimpleNamespace(options=SimpleNamespace(max_num_seqs=4))
+    loop = EngineLoop(engine, Metrics(), max_waiting_requests=4)
+    loop._loop = asyncio.get_running_loop()
+    return loop
+
+
+def commands(loop: EngineLoop) -> list:
+    out = []
+    while not loop._commands.empty():
+        out.append(loop._commands.get())
+    return out
+
+
+def test_a_stream_gets_each_output_or_only_the_newest_when_behind():
+    async def main():
+        loop = fake_engine_loop()
+        stream = loop.submit([1, 2], None, final_only=False, arrival=0.0)
+        rid = stream.request_id
+        outputs = stream.outputs()
+        got = asyncio.ensure_future(outputs.__anext__())
+        await asyncio.sleep(0)               # the handler waits for its first output
+        loop._deliver([output(rid, "a"), output("other", "z")])
+        assert (await got).text == "a"
+        # three steps before the handler looks again: it is handed the newest only
+        for text in ("ab", "abc", "abcd"):
+            loop._deliver([output(rid, text)])
+        assert (await outputs.__anext__()).text == "abcd"
+        loop._deliver([output(rid, "abcde", finished=True)])
+        assert (await outputs.__anext__()).text == "abcde"
+        with pytest.raises(StopAsyncIteration):
+            await outputs.__anext__()
+        assert stream.finished
+        stream.close()
+        assert rid not in loop._streams
+        assert not [c for c in commands(loop) if isinstance(c, _Abort)]   # finished: nothing to abort
+
+    asyncio.run(main())
+
+
+def test_an_error_is_raised_before_a_pending_output_and_close_aborts_an_unfinished_request():
+    async def main():
+        loop = fake_engine_loop()
+        stream = loop.submit([1, 2], None, final_only=False, arrival=0.0)
+        rid = stream.request_id
+        loop._deliver([output(rid, "a")])
+        loop._deliver_error(rid, APIError(400, "bad"))
+        loop.abort_all()                     # a second error: the first one wins
+        outputs = stream.outputs()
+        with pytest.raises(APIError) as caught:
+            await outputs.__anext__()
+        assert caught.value.status == 400
+        # the error was handed over once; the output that waited behind it is still there
+        assert (await stream.outputs().__anext__()).text == "a"
+        # a server abort wakes a handler that waits
+        waiting = asyncio.ensure_future(stream.outputs().__anext__())
+        await asyncio.sleep(0)
+        loop.abort_all()
+        with pytest.raises(RequestAborted):
+            await waiting
+        stream.close()
+        stream.close()                       # once only
+        aborts = [c for c in commands(loop) if isinstance(c, _Abort)]
+        assert [c.request_id for c in aborts] == [rid]
+
+    asyncio.run(main())
