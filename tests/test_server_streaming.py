@@ -120,3 +120,18 @@ def test_an_error_is_raised_before_a_pending_output_and_close_aborts_an_unfinish
         assert [c.request_id for c in aborts] == [rid]
 
     asyncio.run(main())
+
+
+def test_while_serving_the_startup_heap_is_frozen_out_of_garbage_collection(tiny_model_dir):
+    import gc
+
+    from server_support import running_server
+    from tinyvllm import LLM
+    from tinyvllm.server.engine_loop import GC_GEN0_THRESHOLD
+
+    before = gc.get_threshold()
+    engine = LLM(tiny_model_dir, backend="cpu").engine
+    with running_server(engine) as (url, app):
+        assert gc.get_freeze_count() > 1000                 # the engine, the app, the modules...
+        assert gc.get_threshold() == (max(before[0], GC_GEN0_THRESHOLD), *before[1:])
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0

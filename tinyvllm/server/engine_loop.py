@@ -13,6 +13,7 @@ requests are refused, instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -33,6 +34,15 @@ log = logging.getLogger("tinyvllm.server")
 # Measured with tools/serve_benchmark.py --backend sim (256 requests at once): 0.5 ms instead of 5 ms served
 # 1.7x the output tokens/s; each forced switch costs a few microseconds.
 SWITCH_INTERVAL_S = 0.0005
+
+# Python's cyclic garbage collector while serving. Measured with tools/serve_benchmark.py --backend sim (256
+# streams): it ran ~550 times a run, ~0.4 s in all, stopping both threads, its full collections walking the
+# whole startup heap (~135k objects: modules, Numba, the tokenizer) for 60-80 ms each, and it reclaimed nothing:
+# what a step allocates is acyclic and freed by reference counting. So while the loop runs, the heap it started
+# with is frozen out of collections (gc.freeze, as vLLM's and SGLang's servers do after startup) and the first
+# generation is collected after this many net allocations instead of 700 (a step's outputs, alive until the
+# event loop has sent them, crossed 700 several times a step): a few collections a run.
+GC_GEN0_THRESHOLD = 10_000
 
 # A full queue drains at the engine's pace, a request every few steps: a second is a fair time to come back.
 RETRY_AFTER_SECONDS = 1
@@ -156,6 +166,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._switch_interval: float | None = None   # the interpreter's, restored on stop
+        self._gc_threshold: tuple[int, ...] | None = None   # the collector's, restored on stop
 
     # -- life cycle (event loop) ------------------------------------------------------------------------
 
@@ -163,6 +174,10 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        self._gc_threshold = gc.get_threshold()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(max(self._gc_threshold[0], GC_GEN0_THRESHOLD), *self._gc_threshold[1:])
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
         self._thread.start()
 
@@ -174,6 +189,9 @@ class EngineLoop:
         await asyncio.to_thread(self._thread.join)
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
+        if self._gc_threshold is not None:
+            gc.set_threshold(*self._gc_threshold)
+            gc.unfreeze()  # what this process frees from now on is collected again
 
     def drain(self, timeout: float) -> None:
         """Stop accepting requests; those in flight have `timeout` seconds to finish, then are aborted. Safe
