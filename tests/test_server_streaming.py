@@ -55,7 +55,7 @@ def output(request_id: str, text: str, finished: bool = False) -> RequestOutput:
 
 def fake_engine_loop() -> EngineLoop:
     """An EngineLoop whose thread never starts: the test plays the engine thread's callbacks."""
-    engine = SimpleNamespace(options=SimpleNamespace(max_num_seqs=4))
+    engine = SimpleNamespace(options=SimpleNamespace(max_num_seqs=4), runner=SimpleNamespace(launches_async=False))
     loop = EngineLoop(engine, Metrics(), max_waiting_requests=4)
     loop._loop = asyncio.get_running_loop()
     return loop
@@ -135,3 +135,64 @@ def test_while_serving_the_startup_heap_is_frozen_out_of_garbage_collection(tiny
         assert gc.get_freeze_count() > 1000                 # the engine, the app, the modules...
         assert gc.get_threshold() == (max(before[0], GC_GEN0_THRESHOLD), *before[1:])
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_engine_idle_holds_a_chunk_back_only_while_the_engine_thread_works(monkeypatch):
+    import threading
+    import time
+
+    from tinyvllm.server import engine_loop
+
+    off = engine_loop.EngineIdle(enabled=False)   # a runner that computes in launch(): never held back
+    off.working()
+    assert off._event.is_set()
+    idle = engine_loop.EngineIdle(enabled=True)
+    idle.working()                                # the engine thread works
+    monkeypatch.setattr(engine_loop, "ENGINE_FIRST_S", 0.2)
+    start = time.perf_counter()
+    idle.wait()                                   # nobody sets it: the bound
+    assert 0.15 < time.perf_counter() - start < 2
+    monkeypatch.setattr(engine_loop, "ENGINE_FIRST_S", 30.0)
+    threading.Timer(0.05, idle.waiting).start()   # the engine thread waits for the device 50 ms later
+    start = time.perf_counter()
+    idle.wait()
+    assert 0.03 < time.perf_counter() - start < 10
+    start = time.perf_counter()
+    idle.wait()                                   # it waits: at once
+    assert time.perf_counter() - start < 0.01
+
+
+def test_the_event_loop_waits_for_the_engine_thread_only_while_it_works(tiny_model_dir):
+    """Over a runner that waits for its device in collect() (tools/sim_runner.py, as the GPU's), EngineIdle is
+    clear while the engine thread packs and launches a step and set while it waits; the CPU runner never
+    clears it. The engine's device_wait is the engine loop's only while it runs."""
+    import contextlib
+
+    import httpx
+
+    from server_support import MODEL, running_server, wait_until
+    from tinyvllm import LLM
+    from tools.sim_runner import sim_llm
+
+    engine = sim_llm(tiny_model_dir, base_ms=1.0).engine
+    runner, seen = engine.runner, {"launch": set(), "collect": set()}
+    launch, collect = runner.launch, runner.collect
+
+    def spying(name, call):
+        def spied(*args):
+            seen[name].add(app.state.engine_loop.engine_idle._event.is_set())
+            return call(*args)
+        return spied
+
+    runner.launch, runner.collect = spying("launch", launch), spying("collect", collect)
+    with running_server(engine) as (url, app):
+        assert engine.device_wait is app.state.engine_loop.engine_idle
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+            assert response.status_code == 200 and response.read().endswith(b"data: [DONE]\n\n")
+        wait_until(app.state.engine_loop.engine_idle._event.is_set, what="the engine thread to wait for requests")
+    assert seen == {"launch": {False}, "collect": {True}}
+    assert isinstance(engine.device_wait, contextlib.nullcontext)
+    cpu = LLM(tiny_model_dir, backend="cpu").engine
+    with running_server(cpu) as (url, app):
+        assert not app.state.engine_loop.engine_idle.enabled

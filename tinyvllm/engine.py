@@ -28,6 +28,7 @@ vLLM's {token id: Logprob} dicts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Sequence as SequenceABC
@@ -205,6 +206,9 @@ class LLMEngine:
         self._num_special = 0   # unfinished requests with n > 1 or prompt logprobs (each step looks for them)
         self.num_generated_tokens = 0           # over the engine's life: progress bars read it
         self._inflight: _Launched | None = None  # a step launched ahead, its tokens not read yet
+        # entered while step() waits for the runner's tokens (on the GPU, the device): the server's engine loop
+        # lets its event loop have the interpreter then, and only then
+        self.device_wait: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._ids = itertools.count()
         self._seeds = random.Random(options.seed)
         self._eos = set(config.eos_token_ids)
@@ -304,9 +308,12 @@ class LLMEngine:
             current, self._inflight = self._inflight, None
         if self.options.async_scheduling:
             self._inflight = self._launch_next_decode(current)
-        outputs = self._finish_step(current, self.runner.collect(current.handle))
+        with self.device_wait:
+            tokens = self.runner.collect(current.handle)
+        outputs = self._finish_step(current, tokens)
         if self._inflight is not None and not self.scheduler.has_unfinished():
-            self.runner.collect(self._inflight.handle)  # every sequence of it stopped: nothing to read
+            with self.device_wait:
+                self.runner.collect(self._inflight.handle)  # every sequence of it stopped: nothing to read
             self._inflight = None
         return outputs
 

@@ -5,6 +5,12 @@ would stall every connection for its duration, so it runs in a thread of its own
 engine. Handlers post commands (add, abort) to a thread-safe queue, which the thread applies between steps;
 each request's outputs come back through its RequestStream, all of a step's in one call_soon_threadsafe.
 
+The engine thread and the event loop share one interpreter lock, and only the engine thread's host work is on
+the critical path: once the GPU runs out of launched steps it idles, while a chunk sent a few milliseconds late
+only carries more text (outputs are cumulative and coalesce). So, with a runner that computes asynchronously
+(the GPU), the event loop does not contend for the lock while the engine thread works: before each chunk it
+waits, the lock released, until the engine thread waits for the device or for requests (EngineIdle).
+
 A request whose handler goes away (the client hung up) is aborted before the next step, which frees its KV
 blocks. If a step raises, the loop stops: every request in flight gets the error, /health reports it, and new
 requests are refused, instead of hanging.
@@ -13,6 +19,7 @@ requests are refused, instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
@@ -44,6 +51,10 @@ SWITCH_INTERVAL_S = 0.0005
 # event loop has sent them, crossed 700 several times a step): a few collections a run.
 GC_GEN0_THRESHOLD = 10_000
 
+# The longest a chunk waits for the engine thread's host work (EngineIdle): bounds the event loop's stall when
+# the engine thread works long (a large prefill's launches), so that it never starves.
+ENGINE_FIRST_S = 0.005
+
 # A full queue drains at the engine's pace, a request every few steps: a second is a fair time to come back.
 RETRY_AFTER_SECONDS = 1
 
@@ -71,6 +82,36 @@ class RequestAborted(APIError):
     def __init__(self):
         super().__init__(503, "the server shut down before this request finished", type="server_error",
                          code="aborted")
+
+
+class EngineIdle:
+    """Set while the engine thread waits (for the device, or for requests), clear while it does host work; as a
+    context manager, the engine's `device_wait`. `wait()` is the event loop's: it returns at once when the engine
+    thread waits, else when it next does, or after ENGINE_FIRST_S (the interpreter lock released meanwhile). A
+    no-op unless `enabled` (a runner that computes in launch(), as the CPU backend's, never waits in collect())."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._event = threading.Event()
+        self._event.set()
+
+    def waiting(self) -> None:
+        if self.enabled:
+            self._event.set()
+
+    def working(self) -> None:
+        if self.enabled:
+            self._event.clear()
+
+    def __enter__(self) -> None:
+        self.waiting()
+
+    def __exit__(self, *exc) -> None:
+        self.working()
+
+    def wait(self) -> None:
+        if not self._event.is_set():
+            self._event.wait(ENGINE_FIRST_S)
 
 
 class RequestStream:
@@ -108,6 +149,7 @@ class RequestStream:
                 raise error
             item, self._latest = self._latest, None
             self.finished = item.finished
+            self._owner.engine_idle.wait()  # the engine thread first (see the module's docstring)
             yield item
 
     def close(self) -> None:
@@ -167,6 +209,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._switch_interval: float | None = None   # the interpreter's, restored on stop
         self._gc_threshold: tuple[int, ...] | None = None   # the collector's, restored on stop
+        self.engine_idle = EngineIdle(getattr(engine.runner, "launches_async", False))
 
     # -- life cycle (event loop) ------------------------------------------------------------------------
 
@@ -178,6 +221,7 @@ class EngineLoop:
         gc.collect()
         gc.freeze()
         gc.set_threshold(max(self._gc_threshold[0], GC_GEN0_THRESHOLD), *self._gc_threshold[1:])
+        self.engine.device_wait = self.engine_idle
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
         self._thread.start()
 
@@ -187,6 +231,7 @@ class EngineLoop:
         self.abort_all()
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
+        self.engine.device_wait = contextlib.nullcontext()
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
         if self._gc_threshold is not None:
@@ -243,6 +288,7 @@ class EngineLoop:
     # -- the engine thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.engine_idle.working()
         try:
             while self._apply_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
@@ -255,12 +301,18 @@ class EngineLoop:
         except Exception as exc:  # the engine is in an unknown state: stop, and tell everyone
             log.exception("the engine failed; the server stops serving requests")
             self._loop.call_soon_threadsafe(self._fail, exc)
+        finally:
+            self.engine_idle.waiting()  # gone: nothing to wait for
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply the queued commands (waiting for one when idle); False on stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                if block:
+                    with self.engine_idle:
+                        command = self._commands.get()
+                else:
+                    command = self._commands.get(block=False)
             except queue.Empty:
                 return True
             block = False
