@@ -305,3 +305,21 @@ def test_progress_bar_into_a_file_or_pipe_is_not_redrawn_every_step(tiny_model_d
     err = capsys.readouterr().err
     assert len(outs) == 8 and len(steps) >= GREEDY.max_tokens     # a redraw per step would be a dozen or more
     assert err.count("\r") == 2 and "8/8" in err.split("\r")[-1] and "tok/s" in err.split("\r")[-1]
+
+
+def test_pack_pads_ragged_block_tables_with_minus_one():
+    from tinyvllm.batch import pack
+    from tinyvllm.scheduler import ScheduledSequence
+    from tinyvllm.sequence import Sequence
+
+    tables = [[7], [3, 9, 4, 11], [6, 8, 1], [5, 2]]
+    scheduled = []
+    for i, table in enumerate(tables):  # a decode step: each sequence's last token, in its last block's last slot
+        seq = Sequence(str(i), list(range(1, 1 + 4 * len(table))), SamplingParams(temperature=0), 0)
+        seq.block_table = list(table)
+        seq.num_computed_tokens = len(seq.prompt_token_ids) - 1
+        scheduled.append(ScheduledSequence(seq, 1))
+    batch, _ = pack(scheduled, block_size=4)
+    assert batch.block_tables.dtype == np.int32
+    assert batch.block_tables.tolist() == [[7, -1, -1, -1], [3, 9, 4, 11], [6, 8, 1, -1], [5, 2, -1, -1]]
+    assert batch.slot_mapping.tolist() == [t[-1] * 4 + 3 for t in tables]

@@ -402,3 +402,45 @@ def test_stream_prompt_context_gives_the_first_token_its_space():
     assert tok.decode([1]) == "world" and tok.decode([0, 1]) == "Hello world"
     assert _stream(tok, [1, 0], prompt_ids=[0]) == [" world", " Hello", ""]
     assert _stream(tok, [1, 0]) == ["world", " Hello", ""]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# byte-level decoding without the library
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 259), max_size=24), skip=st.booleans())
+def test_byte_level_decode_is_the_librarys(byte_tok, ids, skip):
+    # any bytes (invalid UTF-8, cut characters) with the specials among them, kept or skipped
+    assert byte_tok._byte_level
+    assert byte_tok._decode_bytes(ids, skip) == byte_tok.hf_tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_level_decode_is_the_librarys_on_llama(llama):
+    import numpy as np
+
+    hf = llama.hf_tokenizer
+    rng = np.random.default_rng(0)
+    added = sorted(hf.get_added_tokens_decoder())
+    single_bytes = [hf.token_to_id(c) for c in byte_alphabet()]   # the 256 one-byte tokens
+    assert llama._byte_level and all(len(llama._model_token_bytes(i)) == 1 for i in single_bytes)
+    for _ in range(3000):
+        n = int(rng.integers(1, 8))
+        ids = [int(rng.choice(single_bytes)) if r < 0.5 else int(rng.choice(added)) if r < 0.6 else
+               int(rng.integers(0, 128000)) for r in rng.random(n)]
+        for skip in (True, False):
+            assert llama._decode_bytes(ids, skip) == hf.decode(ids, skip_special_tokens=skip), ids
+    # every token alone, and an id beyond the vocabulary or not an int: left to the library
+    for i in range(0, llama.vocab_size, 31):
+        assert llama.decode([i], skip_special_tokens=False) == hf.decode([i], skip_special_tokens=False)
+    assert llama._decode_bytes([1, llama.vocab_size], True) is None
+    assert llama._decode_bytes([np.int64(1)], True) is None and llama.decode([np.int64(1)]) == hf.decode([1])
+
+
+def test_other_decoders_are_left_to_the_library():
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    hf = HFTokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
+    hf.decoder = decoders.Metaspace()
+    tok = Tokenizer(hf)
+    assert not tok._byte_level and tok.decode([0, 1]) == "Hello world"

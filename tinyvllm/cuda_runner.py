@@ -76,6 +76,9 @@ class SamplingMode(NamedTuple):
 
 class CUDARunner:
     name = "cuda"
+    # launch() returns once the step is queued on the GPU; collect() waits for it (Numba's simulator instead
+    # computes the step in launch)
+    launches_async = not SIMULATOR
 
     def __init__(self, config, weights: dict[str, np.ndarray], block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,

@@ -28,6 +28,7 @@ vLLM's {token id: Logprob} dicts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Sequence as SequenceABC
@@ -45,7 +46,7 @@ from tinyvllm.block_manager import BlockManager
 from tinyvllm.config import ModelConfig
 from tinyvllm.scheduler import ScheduledSequence, Scheduler
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.sequence import PENDING, Sequence
+from tinyvllm.sequence import PENDING, Sequence, SequenceStatus
 from tinyvllm.text_stream import TextStream
 from tinyvllm.tokenizer import Tokenizer
 
@@ -205,6 +206,9 @@ class LLMEngine:
         self._num_special = 0   # unfinished requests with n > 1 or prompt logprobs (each step looks for them)
         self.num_generated_tokens = 0           # over the engine's life: progress bars read it
         self._inflight: _Launched | None = None  # a step launched ahead, its tokens not read yet
+        # entered while step() waits for the runner's tokens (on the GPU, the device): the server's engine loop
+        # lets its event loop have the interpreter then, and only then
+        self.device_wait: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._ids = itertools.count()
         self._seeds = random.Random(options.seed)
         self._eos = set(config.eos_token_ids)
@@ -266,12 +270,13 @@ class LLMEngine:
         if request_id in self._by_request:
             raise RequestError(f"request id {request_id!r} is already in use")
         # masked out of the draws until min_tokens (ids outside the vocabulary cannot be drawn anyway)
-        masked = tuple(sorted(t for t in self._stop_ids(params) if t < vocab)) if params.min_tokens else ()
+        stop_ids = frozenset(self._stop_ids(params))
+        masked = tuple(sorted(t for t in stop_ids if t < vocab)) if params.min_tokens else ()
         seqs = []
         for index in range(params.n):
             # completion i of a seeded request draws from seed + i (vLLM's), so each has its own stream
             seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(63)
-            seqs.append(Sequence(request_id, ids, params, seed, index=index, masked_ids=masked))
+            seqs.append(Sequence(request_id, ids, params, seed, index=index, masked_ids=masked, stop_ids=stop_ids))
             self._streams[seqs[-1].seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
         seqs[0].forks = seqs[1:]
         self._num_special += params.n > 1 or params.prompt_logprobs is not None
@@ -303,9 +308,12 @@ class LLMEngine:
             current, self._inflight = self._inflight, None
         if self.options.async_scheduling:
             self._inflight = self._launch_next_decode(current)
-        outputs = self._finish_step(current, self.runner.collect(current.handle))
+        with self.device_wait:
+            tokens = self.runner.collect(current.handle)
+        outputs = self._finish_step(current, tokens)
         if self._inflight is not None and not self.scheduler.has_unfinished():
-            self.runner.collect(self._inflight.handle)  # every sequence of it stopped: nothing to read
+            with self.device_wait:
+                self.runner.collect(self._inflight.handle)  # every sequence of it stopped: nothing to read
             self._inflight = None
         return outputs
 
@@ -444,7 +452,7 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int, count: int) -> str | None:
         """Why `seq` ends with `token` as its count-th output token, or None."""
-        if count > seq.params.min_tokens and token in self._stop_ids(seq.params):
+        if count > seq.params.min_tokens and token in seq.stop_ids:
             return "stop"
         return "length" if self._ends_by_length(seq, count) else None
 
@@ -454,28 +462,34 @@ class LLMEngine:
 
     def _output(self, seqs: list[Sequence], new_text: str) -> RequestOutput:
         """The request's state: its n completions, each up to its last token read back. new_text: what this
-        step released of completion 0 (for n > 1 each completion's text is in outputs[i].text)."""
+        step released of completion 0 (for n > 1 each completion's text is in outputs[i].text).
+        NOTE: a streamed request gets one every step: at hundreds of streams this is a good part of a step's
+        host time, hence the plain loops (no generator, nothing computed twice)."""
         completions = []
+        finished = True
         for seq in seqs:
-            count = len(seq.output_token_ids)
-            while count and seq.output_token_ids[count - 1] == PENDING:  # launched, not read back yet
-                count -= 1
             ids = seq.output_token_ids
+            count = len(ids)
+            while count and ids[count - 1] == PENDING:  # launched, not read back yet
+                count -= 1
+            done = seq.status is SequenceStatus.FINISHED
+            finished = finished and done
             completions.append(CompletionOutput(
-                seq.index, self._streams[seq.seq_id].text,
-                ids[:count] if seq.is_finished else TokenIdsSoFar(ids, count), seq.finish_reason,
-                None if seq.logprobs is None else seq.logprobs[:count], seq.cumulative_logprob))
+                seq.index, self._streams[seq.seq_id].text, ids[:count] if done else TokenIdsSoFar(ids, count),
+                seq.finish_reason, None if seq.logprobs is None else seq.logprobs[:count], seq.cumulative_logprob))
         first = seqs[0]
-        last_times = [seq.last_token_time for seq in seqs if seq.last_token_time is not None]
+        if len(seqs) == 1:
+            preemptions, last_time = first.num_preemptions, first.last_token_time
+        else:
+            preemptions = sum(seq.num_preemptions for seq in seqs)
+            last_times = [seq.last_token_time for seq in seqs if seq.last_token_time is not None]
+            last_time = max(last_times) if last_times else None
         return RequestOutput(
             request_id=first.request_id, prompt=self._prompts[first.request_id],
-            prompt_token_ids=first.prompt_token_ids, outputs=completions,
-            finished=first.is_finished if len(seqs) == 1 else all(seq.is_finished for seq in seqs),
-            new_text=new_text,
+            prompt_token_ids=first.prompt_token_ids, outputs=completions, finished=finished, new_text=new_text,
             num_cached_tokens=first.num_cached_prompt_tokens, prompt_logprobs=first.prompt_logprobs,
-            metrics={"preemptions": sum(seq.num_preemptions for seq in seqs), "arrival_time": first.arrival_time,
-                     "first_token_time": first.first_token_time,
-                     "last_token_time": max(last_times) if last_times else None})
+            metrics={"preemptions": preemptions, "arrival_time": first.arrival_time,
+                     "first_token_time": first.first_token_time, "last_token_time": last_time})
 
     def _forget(self, first: Sequence) -> None:
         seqs = self._by_request.pop(first.request_id, None)

@@ -52,6 +52,7 @@ class Sequence:
     last_token_time: float | None = None
     index: int = 0                              # which of the request's n completions
     masked_ids: tuple[int, ...] = ()            # masked out of the draws until min_tokens (EOS, stop ids)
+    stop_ids: frozenset[int] = frozenset()      # the ids that end it (the engine's: stop_token_ids, EOS)
     forks: list["Sequence"] = field(default_factory=list)  # completions forked at this one's first token
     output_counts: dict[int, int] = field(default_factory=dict)  # output token -> count (penalties)
     prompt_unique: object = None                # the prompt's distinct ids, cached by tinyvllm/batch.py

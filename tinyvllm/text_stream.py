@@ -48,6 +48,9 @@ class TextStream:
         return self._release(self._detok.flush().rstrip(INCOMPLETE), final=True)
 
     def _release(self, piece: str, final: bool, check_stop: bool = True) -> str:
+        if not self._stop:  # nothing is held back (every token of a stream without stop strings comes here)
+            self.text += piece
+            return piece
         if self.stopped:
             return ""
         self._pending += piece

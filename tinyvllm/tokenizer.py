@@ -112,6 +112,24 @@ def _token_content(value: Any, what: str, source: Path) -> str | None:
     raise TokenizerError(f"{source}: {what} must be a string or {{'content': ...}}, got {value!r}")
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's bytes_to_unicode, which the `tokenizers` ByteLevel decoder uses):
+    character -> the byte it stands for. Printable bytes stand for themselves; the rest are shifted to
+    U+0100 and up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(256 + shifted)] = b
+            shifted += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus what tokenizer_config.json says about it.
 
@@ -126,8 +144,13 @@ class Tokenizer:
         self._hf = hf_tokenizer
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self._special_ids = frozenset(i for i, tok in hf_tokenizer.get_added_tokens_decoder().items()
-                                      if tok.special)
+        added = hf_tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        # Byte-level BPE (Llama 3, SmolLM2, GPT-2): decode() maps ids to bytes itself (see _decode_bytes).
+        self._byte_level = isinstance(hf_tokenizer.decoder, tokenizers.decoders.ByteLevel) and \
+            isinstance(hf_tokenizer.model, tokenizers.models.BPE)
+        self._token_bytes: list | None = None   # id -> bytes (model tokens, filled on first use) or added token
+        self._added = {i: (tok.content, tok.special) for i, tok in added.items()}
         # Probe once what the post-processor does around a text, so encode() knows whether bos is already
         # there. A post-processor (TemplateProcessing) adds tokens by id, without us seeing its config.
         try:
@@ -252,7 +275,52 @@ class Tokenizer:
         No "clean-up of tokenization spaces" is done (transformers' option that turns " ." into "."): it is
         lossy, and it would make the streamed text differ from the decoded text.
         """
+        if self._byte_level:
+            text = self._decode_bytes(ids if type(ids) is list else list(ids), skip_special_tokens)
+            if text is not None:
+                return text
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _decode_bytes(self, ids: list, skip_special_tokens: bool) -> str | None:
+        """decode() of a byte-level BPE tokenizer without calling into the library: the same text, in half the
+        time for the few ids the incremental detokenizer decodes (two decodes per streamed token; the library's
+        per-call cost dominates there).
+
+        The ByteLevel decoder maps each token's characters to bytes (a token with a character outside the
+        byte alphabet: its UTF-8 bytes) and decodes them lossily: U+FFFD for each invalid or incomplete
+        sequence, as Python's "replace". An added token is not decoded but written as its content (a skipped
+        special token not at all), the bytes on either side decoded apart; its content being whole UTF-8
+        characters, decoding it together with them gives the same text. None (the caller asks the library)
+        for an id outside the vocabulary or one that is not an int."""
+        table = self._token_bytes
+        if table is None:
+            table = [None] * self._hf.get_vocab_size(with_added_tokens=True)
+            for i, (content, special) in self._added.items():
+                if i < len(table):
+                    table[i] = (content.encode("utf-8"), special)
+            self._token_bytes = table
+        size = len(table)
+        pieces = []
+        for i in ids:
+            if i.__class__ is not int or not 0 <= i < size:
+                return None
+            piece = table[i]
+            if piece is None:
+                piece = table[i] = self._model_token_bytes(i)
+            if piece.__class__ is bytes:
+                pieces.append(piece)
+            elif not (skip_special_tokens and piece[1]):  # an added token: (content, special)
+                pieces.append(piece[0])
+        return b"".join(pieces).decode("utf-8", "replace")
+
+    def _model_token_bytes(self, token_id: int) -> bytes:
+        token = self._hf.id_to_token(token_id)
+        if token is None:  # a hole in the vocabulary: the library decodes it to nothing
+            return b""
+        try:
+            return bytes([_BYTE_OF_CHAR[c] for c in token])
+        except KeyError:
+            return token.encode("utf-8")
 
     # -- chat -----------------------------------------------------------------------------------------------
 

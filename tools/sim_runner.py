@@ -29,6 +29,7 @@ from tinyvllm.scheduler import ScheduledSequence
 class SimRunner:
     name = "sim"
     matmul_precision = None
+    launches_async = True   # as the CUDA runner: collect() waits for the (simulated) device
 
     def __init__(self, vocab_size: int, block_size: int = 16, num_blocks: int = 65536, base_ms: float = 6.0,
                  per_token_ms: float = 0.02, seed: int = 0):
