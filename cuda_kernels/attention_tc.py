@@ -455,6 +455,27 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
 # launchers
 
 
+def check_tc_args(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, max_q_len, warps,
+                  keys_per_tile, scale, k_scale, v_scale):
+    """A tensor-core prefill launcher's checks (ValueError naming `name`): prefill_attention's arguments, a cache
+    in TC_FORMATS, head_dim in TC_HEAD_DIMS, keys_per_tile a multiple of 16, at least one warp. Returns
+    (head_dim, block_size, format, the score scale times k_scale, v_scale)."""
+    d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+                                       max_q_len)
+    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
+    if fmt not in TC_FORMATS:
+        raise ValueError(f"{name} reads {' and '.join(TC_FORMATS)} caches, got {fmt} "
+                         f"(prefill_attention takes every format)")
+    if d not in TC_HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim must be one of {TC_HEAD_DIMS}, got {d} "
+                         f"(prefill_attention takes any multiple of 8)")
+    if keys_per_tile < 16 or keys_per_tile % 16:
+        raise ValueError(f"{name}: keys_per_tile must be a multiple of 16, got {keys_per_tile}")
+    if warps < 1:
+        raise ValueError(f"{name}: warps must be at least 1, got {warps}")
+    return d, block_size, fmt, scale, v_scale
+
+
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,
                          max_q_len, stream=0, *, warps, keys_per_tile, k_scale=1.0, v_scale=1.0):
     """attention.prefill_attention on tensor cores (same arguments and result). head_dim must be one of
@@ -463,19 +484,9 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, contex
     The configuration is the caller's (attention_policy.prefill_tc_config picks it by head_dim): warps per
     block (16 query rows each) and keys_per_tile, a multiple of 16, keys per K/V tile; the block's threads
     must be a multiple of the words of a K/V row (head_dim / 4) and of the key quads of a tile."""
-    d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-                                       max_q_len)
-    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
-    if fmt not in TC_FORMATS:
-        raise ValueError(f"prefill_attention_tc reads {' and '.join(TC_FORMATS)} caches, got {fmt} "
-                         f"(prefill_attention takes every format)")
-    if d not in TC_HEAD_DIMS:
-        raise ValueError(f"prefill_attention_tc: head_dim must be one of {TC_HEAD_DIMS}, got {d} "
-                         f"(prefill_attention takes any multiple of 8)")
-    if keys_per_tile < 16 or keys_per_tile % 16:
-        raise ValueError(f"prefill_attention_tc: keys_per_tile must be a multiple of 16, got {keys_per_tile}")
-    if warps < 1:
-        raise ValueError(f"prefill_attention_tc: warps must be at least 1, got {warps}")
+    d, block_size, fmt, scale, v_scale = check_tc_args("prefill_attention_tc", q, k_cache, v_cache, block_tables,
+                                                       cu_seqlens_q, context_lens, out, max_q_len, warps,
+                                                       keys_per_tile, scale, k_scale, v_scale)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or max_q_len == 0:
         return

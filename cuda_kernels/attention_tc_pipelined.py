@@ -44,8 +44,7 @@ from numba import cuda, float32, uint16, uint32, uint64
 from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4, \
     ldmatrix_x4_trans
 from cuda_kernels.attention import NEG_INF, row_tile
-from cuda_kernels.attention_args import check_prefill_args, folded_scales
-from cuda_kernels.attention_tc import TC_FORMATS, TC_HEAD_DIMS, online_softmax_step, output_store, p_pieces
+from cuda_kernels.attention_tc import check_tc_args, online_softmax_step, output_store, p_pieces
 from cuda_kernels.kv_format import e4m3x4_to_bf16x4
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
@@ -254,20 +253,9 @@ def prefill_attention_tc_pipelined(q, k_cache, v_cache, block_tables, cu_seqlens
     """attention.prefill_attention on tensor cores, pipelined (same arguments and result; the configuration is
     the caller's: attention_policy.prefill_pipelined_config). Refuses (ValueError) what attention_tc refuses: a
     head_dim outside TC_HEAD_DIMS, a cache outside TC_FORMATS, keys_per_tile not a multiple of 16, no warps."""
-    d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-                                       max_q_len)
-    fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
-    if fmt not in TC_FORMATS:
-        raise ValueError(f"prefill_attention_tc_pipelined reads {' and '.join(TC_FORMATS)} caches, got {fmt} "
-                         f"(prefill_attention takes every format)")
-    if d not in TC_HEAD_DIMS:
-        raise ValueError(f"prefill_attention_tc_pipelined: head_dim must be one of {TC_HEAD_DIMS}, got {d} "
-                         f"(prefill_attention takes any multiple of 8)")
-    if keys_per_tile < 16 or keys_per_tile % 16:
-        raise ValueError(f"prefill_attention_tc_pipelined: keys_per_tile must be a multiple of 16, got "
-                         f"{keys_per_tile}")
-    if warps < 1:
-        raise ValueError(f"prefill_attention_tc_pipelined: warps must be at least 1, got {warps}")
+    d, block_size, fmt, scale, v_scale = check_tc_args("prefill_attention_tc_pipelined", q, k_cache, v_cache,
+                                                       block_tables, cu_seqlens_q, context_lens, out, max_q_len,
+                                                       warps, keys_per_tile, scale, k_scale, v_scale)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or max_q_len == 0:
         return
