@@ -146,8 +146,9 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
         pos_hi = first + (row0 + 16 * warp + g + 8) // group
         tiles = (k_end + TILE_KEYS - 1) // TILE_KEYS
 
-        # The first tile's copies go out first (weights of the wait: the cache), then Q's pieces are staged by
-        # the threads: quad i is dims 4 (i % (D/4)) .. + 3 of block row i // (D/4); rows past n_rows are zeros.
+        # The first tile's copies go out first, so that they are in flight while the threads split Q into its
+        # pieces and store them: quad i is dims 4 (i % (D/4)) .. + 3 of block row i // (D/4); rows past n_rows
+        # are zeros.
         issue_tile(sh, KV_BASE, k_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
         issue_tile(sh, KV_BASE + TILE, v_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
         cp_async_commit()
