@@ -214,8 +214,8 @@ def cases() -> list[Case]:
 
 
 # (batch, context, table width in blocks): decode-graph shapes (the runner pads tables to a width bucket)
-SWEEP_SHAPES = [(1, 128, 32), (1, 256, 32), (1, 384, 32), (4, 256, 32), (16, 256, 32), (1, 2048, 128),
-                (64, 512, 64)]
+SWEEP_SHAPES = [(1, 128, 32), (1, 256, 32), (1, 384, 32), (4, 256, 32), (16, 256, 32), (64, 256, 32),
+                (1, 2048, 128), (64, 512, 64)]
 SWEEP_WARPS = (2, 4, 8, 11)
 SWEEP_PARTITION_BLOCKS = (1, 2, 4, 8, 16, 32)
 
