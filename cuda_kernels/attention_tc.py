@@ -1,7 +1,8 @@
 """Causal prefill attention over the paged KV cache on tensor cores: flash attention (online softmax) with
 both matrix products on mma.sync m16n8k16 bf16 -> fp32 (cuda_kernels/mma.py). The SIMT versions it builds on
-(naive, then flash in fp32) are in attention.py; its pipelined successor, which the engine runs, in
-attention_tc_pipelined.py.
+(naive, then flash in fp32) are in attention.py; its pipelined successor in attention_tc_pipelined.py (the
+engine runs the successor where a GPU has verified it, this kernel for the other tensor-core cases:
+attention_policy.uses_prefill_pipelined).
 
 For query head h of sequence s at position p (its KV head is h // G, G = Hq / Hkv), over the keys j <= p of
 the sequence's context:

@@ -95,6 +95,11 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
     store_output = output_store(DIM_TILES)
 
     @cuda.jit(device=True, inline=True)
+    def piece_offset(i):
+        """Staging piece i's offset in a shared tile: row i // ROW_PIECES, piece i % ROW_PIECES of it."""
+        return (i // ROW_PIECES) * LD + PIECE * (i % ROW_PIECES)
+
+    @cuda.jit(device=True, inline=True)
     def piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i):
         """(shared offset in a tile, flat index in the cache, valid) of staging piece i of the tile at t0."""
         r, c = i // ROW_PIECES, i % ROW_PIECES
@@ -104,7 +109,7 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
         if valid:
             blk = block_tables[seq, key // BLOCK_SIZE]
             src = ((blk * BLOCK_SIZE + key % BLOCK_SIZE) * kv_heads + kvh) * ROW_PIECES + c
-        return r * LD + PIECE * c, src, valid
+        return piece_offset(i), src, valid
 
     @cuda.jit(device=True, inline=True)
     def issue_tile(sh, base, words, block_tables, seq, kvh, kv_heads, t0, k_end, tid):
@@ -124,7 +129,7 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
             for n in range(PER_THREAD):
                 i = tid + n * THREADS
                 if i < TILE_KEYS * ROW_PIECES:
-                    d, src, valid = piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i)
+                    d = piece_offset(i)   # (the block table was read with the load)
                     x = e4m3x4_to_bf16x4(loaded[n])
                     for e in range(4):
                         sh[base + d + e] = uint16((x >> uint64(16 * e)) & _MASK16)

@@ -165,7 +165,7 @@ def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[flo
 def attention_ab(llm, prompt, rounds: int = 2) -> None:
     """The TTFT with each tensor-core prefill attention (attention_tc, then the pipelined kernel; best of 5,
     `rounds` times in turn), and whether the two give the same 8 greedy tokens."""
-    tokens = {}
+    tokens, before = {}, attention_policy.PREFILL_PIPELINED
     try:
         for rnd in range(rounds):
             for pipelined in (False, True):
@@ -177,7 +177,7 @@ def attention_ab(llm, prompt, rounds: int = 2) -> None:
                 print(f"round {rnd} {name}: TTFT best {ttft['ttft_ms']:.2f} ms of "
                       f"{[round(t, 2) for t in ttft['runs_ttft_ms']]}", flush=True)
     finally:
-        attention_policy.PREFILL_PIPELINED = True
+        attention_policy.PREFILL_PIPELINED = before
     print(f"the two kernels' 8 greedy tokens equal: {tokens[False] == tokens[True]}", flush=True)
 
 

@@ -260,8 +260,9 @@ PREFILL_SWEEP = ((4, 64), (4, 32), (8, 64), (2, 64))   # (warps, keys per tile)
 
 def main() -> None:
     """--policy-sweep: time the fast decode kernel over warps and partitions (for paged_attention's policy).
-    --prefill-sweep: time the tensor-core prefill kernel over (warps, keys per tile) on a 1,024-token prompt
-    and on 4 x 256 (for attention_policy.prefill_tc_config)."""
+    --prefill-sweep: time both tensor-core prefill kernels (attention_tc and the pipelined one) over (warps, keys
+    per tile) on a 1,024-token prompt and on 4 x 256 (for attention_policy.prefill_tc_config and
+    prefill_pipelined_config)."""
     import argparse
 
     from tools.kernel_benchmarks.common import checked_time
