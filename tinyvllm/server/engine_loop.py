@@ -42,20 +42,19 @@ log = logging.getLogger("tinyvllm.server")
 # 1.7x the output tokens/s; each forced switch costs a few microseconds.
 SWITCH_INTERVAL_S = 0.0005
 
-# Python's cyclic garbage collector while serving. Measured with tools/serve_benchmark.py --backend sim (256
-# streams): it ran ~550 times a run, ~0.4 s in all, stopping both threads, its full collections walking the
-# whole startup heap (~135k objects: modules, Numba, the tokenizer) for 60-80 ms each, and it reclaimed nothing:
-# what a step allocates is acyclic and freed by reference counting. So while the loop runs, the heap it started
-# with is frozen out of collections (gc.freeze, as vLLM's and SGLang's servers do after startup) and the first
-# generation is collected after this many net allocations instead of 700 (a step's outputs, alive until the
-# event loop has sent them, crossed 700 several times a step): a few collections a run.
+# Python's cyclic garbage collector while serving: what a step allocates is acyclic and freed by reference
+# counting, yet at hundreds of streams the collector ran hundreds of times a run, stopping both threads, its full
+# collections walking the whole startup heap (modules, Numba, the tokenizer), and reclaimed nothing
+# (BENCHMARKS.md, "The server's own cost"). So while the loop runs, the heap it started with is frozen out of
+# collections (gc.freeze, as vLLM's and SGLang's servers do after startup) and the first generation is collected
+# after this many net allocations instead of 700 (a step's outputs, alive until the event loop has sent them,
+# crossed 700 several times a step).
 GC_GEN0_THRESHOLD = 10_000
 
 # The event loop waits for the engine thread's host work (EngineIdle) at most this share of each window of this
 # many seconds, so that it never starves, whatever the engine thread does (a host-bound engine, whose device is
-# never waited for). Measured with the sim at 256 streams: a device step takes ~11 ms, of which the engine thread
-# works ~3 ms; with the device made 7x faster (host-bound), a share of 0.3 served 34k output tok/s at an ITL of
-# 11 / 43 ms (p50 / p99), 0.5 served 40k at 48 / 119 ms, none (the lock shared evenly) 30k at 8 / 25 ms.
+# never waited for). A larger share buys a host-bound engine throughput at the cost of inter-token latency; the
+# trade measured at 0.3, 0.5 and none: BENCHMARKS.md, "The server's own cost".
 ENGINE_FIRST_SHARE = 0.3
 ENGINE_FIRST_WINDOW_S = 0.010
 
