@@ -77,6 +77,7 @@ TC_CANDIDATES = {
 
 
 _last_reference: dict = {}
+_last_gated: dict = {}
 
 
 def _reference(x, w, bf16_inputs):
@@ -338,16 +339,42 @@ def skinny_cases(ms=SKINNY_MS, weights=None, bf16_inputs: bool = True, cold_byte
     return out
 
 
-# gemv_tc configurations worth timing against the skinny plan (k_warps, row_warps, unroll, pipelined)
-GEMV_TC_CANDIDATES = (gt.GemvTcConfig(4, 1, 4), gt.GemvTcConfig(8, 1, 2), gt.GemvTcConfig(8, 1, 4),
-                      gt.GemvTcConfig(8, 1, 2, True), gt.GemvTcConfig(4, 2, 4), gt.GemvTcConfig(4, 1, 8),
-                      gt.GemvTcConfig(2, 4, 4), gt.GemvTcConfig(4, 1, 4, True), gt.GemvTcConfig(1, 4, 8))
+# gemv_tc configurations worth timing against the skinny plan, by n8 tiles (gt.n_tiles: M = 16, 32, 64), as
+# GemvTcConfig(k_warps, row_warps, unroll, pipelined, row_tiles). One row tile a warp: those that were the
+# fastest or second-fastest gemv_tc at some weight and M in the first sweep (docs/performance.md, "gemv_tc";
+# (4, 2, 4), (2, 4, 4) and (1, 4, 8) never were). Two and four row tiles a warp (x read once per 32 or 64
+# weight rows instead of 16): mostly 8 K parts (what filled the SMs with one tile), never over 256 threads a
+# block (so that 255 registers a thread still fit the register file), and unroll x row tiles smaller where the
+# accumulators (4 x n8 tiles x row tiles a lane) take the registers: ptxas (sm_90, offline) compiled each in
+# at most 255 registers without spills (at 8 n8 tiles, two row tiles with unroll 4 and four with unroll 2
+# spilled; of the one-tile ones (4, 1, 4, pipelined) spills a few bytes there, as it did before row tiles).
+# A full sweep compiles 66 kernels (11 configurations x 3 n8 tile counts, plain and gated) and times 180 cases.
+_GEMV_TC_ONE_TILE = (gt.GemvTcConfig(4, 1, 4), gt.GemvTcConfig(8, 1, 2), gt.GemvTcConfig(8, 1, 4),
+                     gt.GemvTcConfig(8, 1, 2, True), gt.GemvTcConfig(4, 1, 8), gt.GemvTcConfig(4, 1, 4, True))
+GEMV_TC_CANDIDATES = {
+    2: _GEMV_TC_ONE_TILE + (gt.GemvTcConfig(8, 1, 4, False, 2), gt.GemvTcConfig(8, 1, 2, True, 2),
+                            gt.GemvTcConfig(8, 1, 2, False, 4), gt.GemvTcConfig(8, 1, 1, False, 4),
+                            gt.GemvTcConfig(4, 1, 4, False, 4)),
+    4: _GEMV_TC_ONE_TILE + (gt.GemvTcConfig(8, 1, 2, False, 2), gt.GemvTcConfig(8, 1, 4, False, 2),
+                            gt.GemvTcConfig(8, 1, 2, True, 2), gt.GemvTcConfig(8, 1, 1, False, 4),
+                            gt.GemvTcConfig(8, 1, 2, False, 4)),
+    8: _GEMV_TC_ONE_TILE + (gt.GemvTcConfig(8, 1, 2, False, 2), gt.GemvTcConfig(8, 1, 2, True, 2),
+                            gt.GemvTcConfig(8, 1, 1, True, 2), gt.GemvTcConfig(4, 1, 2, False, 2),
+                            gt.GemvTcConfig(8, 1, 1, False, 4)),
+}
 
 
-def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=GEMV_TC_CANDIDATES, cold_bytes: int = COLD_BYTES) -> list[Case]:
+def _gemv_tc_label(config: gt.GemvTcConfig) -> str:
+    """k_warps x row_warps x unroll x pipelined (the first sweep's labels), and the row tiles where several."""
+    label = "x".join(map(str, config[:4]))
+    return label if config.row_tiles == 1 else f"{label}, {config.row_tiles} row tiles"
+
+
+def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=None, cold_bytes: int = COLD_BYTES) -> list[Case]:
     """Decode batches with bf16 inputs and each weight cold in L2, x's bf16 plane ready (as the engine's norms
     write it): gemm_pipelined's skinny plan (gemm_planes, K split over blocks) against gemv_tc in each
-    configuration. gate/up runs gated (silu(gate) * up, what the engine runs); the rest plain."""
+    configuration (configs, or GEMV_TC_CANDIDATES at M's n8 tiles; one a block cannot run at M is left out).
+    gate/up runs gated (silu(gate) * up, what the engine runs); the rest plain."""
     rng = np.random.default_rng(6)
     out = []
     for wname, n, k, w, copies in _cold_weights(rng, weights, cold_bytes):
@@ -365,10 +392,16 @@ def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=GEMV_TC_CANDIDATES, col
                 gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated, splits=splits,
                                split_workspace=split_ws)
             runs = [(f"skinny plan {_tile_label(tile)}, {splits} splits", skinny)]
-            for config in configs:
+            for config in configs or GEMV_TC_CANDIDATES[gt.n_tiles(m)]:
+                config = gt.GemvTcConfig(*config)
+                try:
+                    gt.check_config(config, gt.n_tiles(m))
+                except ValueError:
+                    continue
+
                 def tc_gemv(dx, w_, out_, stream, m=m, config=config, gated=gated):
                     gt.gemv_tc(dx, m, w_, out_, stream, config=config, gated=gated)
-                runs.append((f"gemv_tc {_tile_label(config)}", tc_gemv))
+                runs.append((f"gemv_tc {_gemv_tc_label(config)}", tc_gemv))
             for label, launcher in runs:
                 turn = [0]
 
@@ -495,8 +528,13 @@ def _rope_case(config, block_size, bf16_inputs, x, w, dx, copies) -> Case:
 
 def _check_gated(got, x, w, bf16_inputs):
     """got (M, F) == silu(x @ gate^T) * (x @ up^T) for W = [gate; up], within reference.tolerance.gated_bound
-    (the kernel tests' bound)."""
-    want, bound = gated_bound(x, w, bf16_inputs)
+    (the kernel tests' bound; the last one is kept, as _reference keeps its pair: a sweep checks every
+    configuration on the same x and W one after another)."""
+    key = (id(x), id(w), bf16_inputs)
+    if key not in _last_gated:
+        _last_gated.clear()
+        _last_gated[key] = gated_bound(x, w, bf16_inputs)
+    want, bound = _last_gated[key]
     np.testing.assert_array_less(np.abs(got - want), bound, err_msg="gated gemv")  # NaN fails too
 
 
@@ -532,7 +570,8 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true", help="--skinny in fp32 mode (default: bf16 inputs)")
     parser.add_argument("--gemv-tc", action="store_true",
                         help="instead: decode batches (M = 16, 32, 64, or --m up to 64) with cold weights and bf16 "
-                             "inputs: the skinny plan against gemv_tc in each of GEMV_TC_CANDIDATES")
+                             "inputs: the skinny plan against gemv_tc in each of GEMV_TC_CANDIDATES (one, two and "
+                             "four row tiles a warp)")
     args = parser.parse_args()
     if args.gemv_tc:
         print("| case | time (us) | weight GB/s |")
