@@ -86,7 +86,11 @@ def test_gemv_tc_rope(config, seed, m, fmt, heads):
     """The QKV projection with RoPE and the KV-cache write as its epilogue, in each cache format: rotated q,
     and rotated K and V in the cache slots (one token's slot -1: not written), as rope_kv_write after the
     product."""
-    k = pick(32, 2048)
+    run_rope(seed, m, heads, pick(32, 2048), fmt, config)
+
+
+def run_rope(seed, m, heads, k, fmt, config):
+    """gemv_tc_rope on a rope_case, checked by check_rope (q, and K and V in the cache)."""
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, 16, fmt)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
@@ -141,13 +145,7 @@ def test_gemv_tc_spread_tail(epilogue, seed, config, m, c):
     kind, fmt = epilogue
     k = 32 * c
     if kind == "rope":
-        heads = pick((3, 1, 8), (5, 1, 64))
-        x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, 16, fmt)
-        q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
-        k_dev, v_dev = to_device(cache), to_device(cache)
-        gt.gemv_tc_rope(planes_of(x), m, to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev,
-                        v_dev, to_device(slots), q_out, config=config, k_scale=fmt[1], v_scale=fmt[2])
-        check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], True, fmt)
+        run_rope(seed, m, pick((3, 1, 8), (5, 1, 64)), k, fmt, config)
         return
     gated = kind == "gated"
     n = pick(37, 3001) * (2 if gated else 1)   # odd (features, gated): the last row tile partial in any configuration
