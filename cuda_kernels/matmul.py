@@ -27,6 +27,9 @@ The kernels, each file a ladder from its simplest correct version to the one the
 8. gemv_tc.gemv_tc: gemv's memory side (each weight word loaded once straight into registers, K split over
    the warps of a block) with the products on tensor cores, for decode batches of bf16 inputs above gemv's
    rows; gated and planes-out epilogues (mlp).
+9. gemm_wgmma.gemm_wgmma (compute capability 9.0): the pipelined GEMM's cp.async staging, into swizzled
+   shared memory, with the products on warpgroup tensor cores (wgmma); bf16 inputs, prefill sizes; gated and
+   planes-out epilogues (mlp).
 
 The policies (pure functions of the shape, so a captured CUDA graph stays valid):
 - uses_gemv: gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or more), with the
@@ -36,6 +39,8 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
 - pipelined_plan: gemm_pipelined where the caller gives a planes workspace and M is large enough (with a
   split workspace, every M above gemv's, K split for skinny M: skinny_plan, else pipelined_tile; the split
   workspace's sizes: split_workspace_sizes);
+- uses_wgmma: gemm_wgmma (WGMMA_TILE) instead of gemm_pipelined for bf16 inputs from WGMMA_MIN_M rows on a
+  GPU of compute capability 9.0 (given a planes workspace);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -46,12 +51,15 @@ from __future__ import annotations
 import os
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, gemm_pipelined, gemv_tc, rope
+from functools import lru_cache
+
+from cuda_kernels import activation, gemm_pipelined, gemm_wgmma, gemv_tc, rope
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.gemm_pipelined import PipelinedTile
 from cuda_kernels.gemm_simt import GemmTile, gemm
 from cuda_kernels.gemm_tc import GemmTcTile, gemm_tc
 from cuda_kernels.gemv import GemvConfig, gemv, gemv_rope
+from cuda_kernels.gemm_wgmma import WgmmaTile
 from cuda_kernels.launch import view
 from cuda_kernels.matmul_args import check_args
 from cuda_kernels.primitives import SM_COUNT
@@ -143,6 +151,11 @@ GEMV_TC_NARROW_N = 2048
 # simulator, where every emulated mma costs two block barriers over Python threads (a test switches it on to
 # walk the entry points).
 GEMV_TC_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_GEMV_TC", "1") != "0"
+# gemm_wgmma from this many rows (above the skinny plan's M, so decode batches keep their split-K tiles), with
+# this tile. NOTE: off unless TINYVLLM_WGMMA=1 until a GPU run has timed it against gemm_pipelined.
+WGMMA_MIN_M = PIPELINED_SKINNY_MAX_M + 1
+WGMMA_TILE = WgmmaTile(128, 128, 4, overlap=True)
+WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,6 +240,21 @@ def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
             and n * k <= GEMV_TC_MAX_WEIGHT and k % gemv_tc.CHUNK_K == 0)
 
 
+@lru_cache(maxsize=None)
+def _hopper() -> bool:
+    from numba import cuda
+
+    # wgmma exists on sm_90a only (not on later architectures)
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+def uses_wgmma(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
+    """Whether matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemm_wgmma: bf16 inputs, m of
+    at least WGMMA_MIN_M, k a multiple of 8, a GPU of compute capability 9.0 (WGMMA_IN_ENGINE: not in the
+    simulator). n: the weight's rows (gated: 2F)."""
+    return WGMMA_IN_ENGINE and bf16_inputs and m >= WGMMA_MIN_M and k % 8 == 0 and n > 0 and _hopper()
+
+
 def gemv_tc_config(m: int, n: int, k: int) -> gemv_tc.GemvTcConfig:
     """The GemvTcConfig gemv_tc uses for x (m, k) @ W (n, k)^T (gated: W = [gate; up], n = 2F rows): a pure
     function of the n8 tiles and the weight's rows. The small weights it serves have few 16-row tiles, so K
@@ -238,7 +266,8 @@ def gemv_tc_config(m: int, n: int, k: int) -> gemv_tc.GemvTcConfig:
 def reads_planes(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False, split_workspace=None) -> bool:
     """Whether the engine's matmul of x (m, k) by W (n, k) reads x's bf16 planes (gemv_tc or gemm_pipelined, given
     a planes workspace), so that the kernel producing x may write them (rmsnorm's planes output)."""
-    return uses_gemv_tc(m, n, k, bf16_inputs) or bool(pipelined_plan(m, n, k, bf16_inputs, gated, split_workspace))
+    return (uses_gemv_tc(m, n, k, bf16_inputs) or uses_wgmma(m, n, k, bf16_inputs)
+            or bool(pipelined_plan(m, n, k, bf16_inputs, gated, split_workspace)))
 
 
 def uses_gemv(m: int, n: int) -> bool:
@@ -332,6 +361,9 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
         gemv(x, weight, out, stream, config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, gated=True)
     elif workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
         _tc(x, weight, out, workspace, stream, planes_ready, gated=True)
+    elif workspace is not None and uses_wgmma(M, N, K, bf16_inputs):
+        check_args(x, weight, out, gated=True)
+        _wgmma(x, weight, out, workspace, stream, planes_ready, gated=True)
     elif plan:
         check_args(x, weight, out, gated=True)
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
@@ -355,21 +387,27 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     M, N, K = check_args(x, gate_up, None)
     H, F = down.shape
     up_tc, down_tc = uses_gemv_tc(M, N, K, bf16_inputs), uses_gemv_tc(M, H, F, bf16_inputs)
+    up_wg, down_wg = uses_wgmma(M, N, K, bf16_inputs), uses_wgmma(M, H, F, bf16_inputs)
     up_plan = not up_tc and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
     down_plan = not down_tc and pipelined_plan(M, H, F, bf16_inputs, False, split_workspace)
-    if workspace is None or act_planes is None or not (up_tc or up_plan) or not (down_tc or down_plan):
+    if workspace is None or act_planes is None or not (up_tc or up_wg or up_plan) or not (
+            down_tc or down_wg or down_plan):
         gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace,
                      split_workspace=split_workspace, planes_ready=planes_ready)
         matmul(act, down, out, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace)
         return
     if up_tc:
         _tc(x, gate_up, act_planes, workspace, stream, planes_ready, gated=True)
+    elif up_wg:
+        _wgmma(x, gate_up, act_planes, workspace, stream, planes_ready, gated=True)
     else:
         gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
                                       tile=up_plan[0], splits=up_plan[1], split_workspace=split_workspace,
                                       planes_ready=planes_ready)
     if down_tc:
         gemv_tc.gemv_tc(act_planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
+    elif down_wg:
+        gemm_wgmma.gemm_wgmma(view(act_planes, (M * F,)), M, down, out, stream, tile=WGMMA_TILE)
     else:
         planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_plan[0],
@@ -411,6 +449,12 @@ def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = Fal
                     config=gemv_tc_config(x.shape[0], weight.shape[0], x.shape[1]), gated=gated)
 
 
+def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
+    """gemm_wgmma on x's bf16 plane in workspace (converted first unless planes_ready)."""
+    gemm_wgmma.gemm_wgmma(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream,
+                          tile=WGMMA_TILE, gated=gated)
+
+
 def _rows(scratch, m: int):
     """The first m rows of scratch; scratch itself when it has m (a slice is a new device array: tens of us)."""
     return scratch if scratch.shape[0] == m else scratch[:m]
@@ -437,6 +481,9 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
     M, N, K = check_args(x, weight, out)
     if workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
         _tc(x, weight, out, workspace, stream, planes_ready)
+        return
+    if workspace is not None and uses_wgmma(M, N, K, bf16_inputs):
+        _wgmma(x, weight, out, workspace, stream, planes_ready)
         return
     if SIMULATOR:
         gemm(x, weight, out, stream, tile=GEMM_TILE, bf16_inputs=bf16_inputs)

@@ -162,23 +162,22 @@ def synced_breakdown(llm, prompt, runs: int) -> tuple[float, dict[str, tuple[flo
     return total, {label: (s / runs * 1e3, calls[label] // runs) for label, s in seconds.items()}
 
 
-def attention_ab(llm, prompt, rounds: int = 2) -> None:
-    """The TTFT with each tensor-core prefill attention (attention_tc, then the pipelined kernel; best of 5,
-    `rounds` times in turn), and whether the two give the same 8 greedy tokens."""
-    tokens, before = {}, attention_policy.PREFILL_PIPELINED
+def switch_ab(llm, prompt, module, flag: str, names: tuple[str, str], rounds: int = 2) -> None:
+    """The TTFT with a policy switch (module.flag) off and on (names[0], names[1]; best of 5, `rounds` times
+    in turn, in the same engine), and whether the two give the same 8 greedy tokens."""
+    tokens, before = {}, getattr(module, flag)
     try:
         for rnd in range(rounds):
-            for pipelined in (False, True):
-                attention_policy.PREFILL_PIPELINED = pipelined
+            for on in (False, True):
+                setattr(module, flag, on)
                 ttft = tv_prefill(llm, prompt, runs=5)
                 out = llm.generate([prompt], [greedy(8)], use_tqdm=False)[0]
-                tokens.setdefault(pipelined, out.outputs[0].token_ids)
-                name = "pipelined" if pipelined else "attention_tc"
-                print(f"round {rnd} {name}: TTFT best {ttft['ttft_ms']:.2f} ms of "
+                tokens.setdefault(on, out.outputs[0].token_ids)
+                print(f"round {rnd} {names[on]}: TTFT best {ttft['ttft_ms']:.2f} ms of "
                       f"{[round(t, 2) for t in ttft['runs_ttft_ms']]}", flush=True)
     finally:
-        attention_policy.PREFILL_PIPELINED = before
-    print(f"the two kernels' 8 greedy tokens equal: {tokens[False] == tokens[True]}", flush=True)
+        setattr(module, flag, before)
+    print(f"{names[0]} and {names[1]}: the 8 greedy tokens equal: {tokens[False] == tokens[True]}", flush=True)
 
 
 def print_table(title: str, parts: dict[str, tuple[float, int]]) -> None:
@@ -199,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention-ab", action="store_true",
                    help="also time the TTFT with prefill attention on attention_tc and on the pipelined kernel, "
                         "alternating in the same engine (attention_policy.PREFILL_PIPELINED), two rounds")
+    p.add_argument("--wgmma-ab", action="store_true",
+                   help="also time the TTFT with the prefill GEMMs on gemm_pipelined and on gemm_wgmma (bf16 "
+                        "inputs), alternating in the same engine (matmul.WGMMA_IN_ENGINE), two rounds")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -220,7 +222,9 @@ def main(argv=None) -> int:
             print(f"{precision}: {whole:.2f} ms of GPU time for the step replayed as one CUDA graph")
             print_table(f"launcher ({precision}), graph replay", parts)
         if args.attention_ab:
-            attention_ab(llm, prompt)
+            switch_ab(llm, prompt, attention_policy, "PREFILL_PIPELINED", ("attention_tc", "pipelined"))
+        if args.wgmma_ab and precision == "bf16":
+            switch_ab(llm, prompt, matmul, "WGMMA_IN_ENGINE", ("gemm_pipelined", "gemm_wgmma"))
         total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
         print_table(f"launcher ({precision}), synchronized", parts)

@@ -1,0 +1,260 @@
+"""The Hopper GEMM of the matmul family: ``out = x @ W^T`` on warpgroup tensor cores (wgmma), x as its bf16
+plane, both operands streamed into swizzled shared memory by cp.async, several K slabs ahead.
+
+    out[m, n] = sum_k bf16(x)[m, k] * W[n, k]                (bf16 x bf16 products, fp32 sums)
+
+x (M, K) float32 enters as its bf16 plane (gemm_pipelined.bf16_planes with bf16_inputs, or the plane a
+kernel before wrote: rmsnorm's planes output, the gated GEMM's planes out); W (N, K) uint16 bf16 in
+nn.Linear layout; out (M, N) float32. Needs K % 8 == 0 (16-byte rows for cp.async) and a GPU of compute
+capability 9.0 (the instruction is sm_90a's). Twin: reference.matmul.matmul(x, W, bf16_inputs=True).
+
+Why after gemm_pipelined: there every warp loads its A and B fragments from shared memory with ldmatrix and
+issues m16n8k16 products, 32 of them per 64 x 32 warp tile and k-step; the loads, the issue slots and the
+registers of the fragments cap mma.sync near 60% of the card's bf16 rate (BENCHMARKS.md). A wgmma takes both
+operands from shared memory through descriptors (cuda_kernels/wgmma.py) and multiplies a 64 x BN x 16 block
+for four warps in one instruction.
+
+Thread mapping: grid = (ceil(M / BM), ceil(N / BN)), x fastest (the blocks in flight share W's column block,
+as in gemm_pipelined). A block is BM / 64 warpgroups (128 threads each); warpgroup g owns rows 64 g .. 64 g
++ 63 of the block tile and all BN columns: BN / 2 fp32 accumulators per thread, laid out as wgmma.py says
+(warp w of the group, lane (r, t): rows 16 w + r and + 8, columns 8 j + 2 t and + 1). A stage holds one
+64-deep K slab: BM rows of x then BN rows of W, each row 128 bytes, swizzled (wgmma.swizzled), the stage on
+a 1,024-byte boundary; thread i copies the 16-byte chunks i, i + threads, ... of each operand.
+
+Pipeline (STAGES buffers, one cp.async group per slab, as gemm_pipelined): the prologue issues slabs
+0 .. STAGES - 2 (W's chunks before the PDL wait: weights are never written). Iteration kt waits for its slab
+(cp.async.wait_group STAGES - 2), makes its copies visible to the tensor cores (fence.proxy.async) and
+synchronises the block; every warpgroup has then finished slab kt - 1 (wgmma_k64 waits for its products), so
+slab kt + STAGES - 1 goes into that buffer; then the four k16 wgmma of slab kt. Tails: rows past M or N and
+k past K are copied as zeros; outputs are stored inside (M, cols) only.
+
+Gated (the engine's gate/up, W = [gate; up] (2F, K)): out[m, f] = silu(x gate^T)[m, f] * (x up^T)[m, f],
+out (M, F). A block covers BN / 2 features: its W stage holds their gate rows, then their up rows, so
+accumulator columns j and j + BN / 2 (registers 4 j + q and 4 (j + BN / 16) + q) of a thread are the gate and
+up of one feature. Planes out: out uint16 (M, cols) gets bf16(result) (what the next GEMM reads as its x).
+
+Versions (continuing matmul.py's list): 9. this kernel, one synchronous wgmma group per slab (the warps wait
+for a slab's products before the next barrier). 10. ``overlap``: the products of slab kt are issued and left
+running (wgmma.wait_group 1 waits only for slab kt - 1's), so the tensor cores work through the barrier and
+the copies of the next slab; the copies then run STAGES - 2 slabs ahead, since slab kt - 1's buffer may still
+be in use.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from cuda_kernels import pdl
+from cuda_kernels.activation import silu
+from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait
+from cuda_kernels.compat import SIMULATOR
+from cuda_kernels.launch import launch, view
+from cuda_kernels.primitives import WARP, f32_to_bf16
+from cuda_kernels.wgmma import (TILE_ALIGN, TILE_K, WARPGROUP, fence_async_shared, shared_address, swizzled, wgmma_k64,
+                                wgmma_wait)
+from numba import cuda, float32, int64, uint16
+
+
+class WgmmaTile(NamedTuple):
+    """Block tile BM x BN (BM a multiple of 64: one warpgroup per 64 rows; BN the wgmma's N), STAGES shared
+    buffers of one 64-deep K slab, the blocks per SM the registers must allow (0: ptxas decides), and
+    overlap: a slab's wgmma still runs while the warps pass the next barrier (module docstring, version 10)."""
+    bm: int = 128
+    bn: int = 128
+    stages: int = 4
+    min_blocks: int = 0
+    overlap: bool = False
+
+
+# The simulator's tile: one warpgroup, 16 columns (every code path; the emulated wgmma is a Python loop).
+SIM_TILE = WgmmaTile(64, 16, 3)
+
+
+def shared_bytes(tile: WgmmaTile) -> int:
+    """Dynamic shared memory of a block: STAGES slabs of BM + BN rows of 128 bytes, and room to align them."""
+    return tile.stages * (tile.bm + tile.bn) * TILE_K * 2 + TILE_ALIGN
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, gated: bool = False,
+                 planes_out: bool = False):
+    """The kernel for one tile and epilogue (see the module docstring for the mapping)."""
+    tile = WgmmaTile(bm, bn, stages, min_blocks, overlap)
+    if bm % 64 or bn % (16 if gated else 8) or not 8 <= bn <= 256 or stages < 2 + overlap or min_blocks < 0:
+        raise ValueError(f"gemm_wgmma tile {tuple(tile)}: need BM a multiple of 64, BN a multiple of 8 (16 gated) "
+                         f"in 8 .. 256, stages >= 2 (3 with overlap), min_blocks >= 0")
+    THREADS = WARPGROUP * (bm // 64)
+    if THREADS > 1024:
+        raise ValueError(f"gemm_wgmma tile {tuple(tile)} gives {THREADS} threads per block (max 1024)")
+    CH = TILE_K // CHUNK                      # 16-byte chunks per row
+    A_ELEMS, B_ELEMS = bm * TILE_K, bn * TILE_K
+    STAGE = A_ELEMS + B_ELEMS                 # bf16 per stage: a multiple of 512 (1,024 bytes)
+    A_PER, B_PER = _cdiv(bm * CH, THREADS), _cdiv(bn * CH, THREADS)
+    ACC = bn // 2                             # accumulators per thread
+    NJ = bn // 8
+    HALF = bn // 2                            # gated: features per block
+    mma = wgmma_k64(bn, not overlap)
+    wait_previous, wait_all = wgmma_wait(1), wgmma_wait(0)
+    # slabs in flight ahead of the one multiplied: with overlap one fewer, since the buffer of slab kt - 1 may
+    # still be read by the tensor cores when slab kt's copies go out
+    AHEAD = stages - 1 - overlap
+    wait_for_slab = cp_async_wait(AHEAD - 1)
+    options = {"launch_bounds": (THREADS, min_blocks)} if min_blocks and not SIMULATOR else {}
+
+    @cuda.jit(device=True, inline=True)
+    def weight_row(r, cols):
+        """(W's row staged at row r of the block's W stage, whether it exists): row blockIdx.y * BN + r; gated,
+        the gate (r < BN / 2) or up row of feature f = blockIdx.y * BN / 2 + r % (BN / 2): f or F + f."""
+        if not gated:
+            n = cuda.blockIdx.y * bn + r
+            return n, n < cols
+        f = cuda.blockIdx.y * HALF + r % HALF
+        return f + (r // HALF) * cols, f < cols
+
+    @cuda.jit(device=True)
+    def staging_map(M, cols, K, amap, bmap):
+        """This thread's chunks: map[e] = (offset in a stage, flat global offset at k = 0 or -1 for a row past
+        M or N, the chunk's k within the slab); offset -1 for no chunk e."""
+        m0 = cuda.blockIdx.x * bm
+        for e in range(A_PER):
+            c = cuda.threadIdx.x + THREADS * e
+            r, q = c // CH, c % CH
+            amap[e, 0] = swizzled(r, q) if c < bm * CH else -1
+            amap[e, 1] = (m0 + r) * K + CHUNK * q if c < bm * CH and m0 + r < M else -1
+            amap[e, 2] = CHUNK * q
+        for e in range(B_PER):
+            c = cuda.threadIdx.x + THREADS * e
+            r, q = c // CH, c % CH
+            n, exists = weight_row(r, cols)
+            bmap[e, 0] = A_ELEMS + swizzled(r, q) if c < bn * CH else -1
+            bmap[e, 1] = n * K + CHUNK * q if c < bn * CH and exists else -1
+            bmap[e, 2] = CHUNK * q
+
+    @cuda.jit(device=True)
+    def issue(src, sh, base, k0, K, chunks, cmap):
+        """cp.async this thread's `chunks` chunks (cmap: one operand's staging map) of the slab at k0 into the
+        stage at element offset base (interior slabs skip the k checks)."""
+        whole = k0 + TILE_K <= K
+        for e in range(chunks):
+            d = cmap[e, 0]
+            if d >= 0:
+                s0 = cmap[e, 1]
+                valid = s0 >= 0 and (whole or k0 + cmap[e, 2] < K)
+                cp_async_16(sh, base + d, src, s0 + k0 if valid else 0, valid)
+
+    @cuda.jit(device=True, inline=True)
+    def store(out, m, n, v):
+        if planes_out:
+            out[m, n] = f32_to_bf16(v)
+        else:
+            out[m, n] = v
+
+    @cuda.jit(**options)
+    def gemm_wgmma_kernel(plane, w, out, K):
+        """plane (>= M * K,) u16 flat: bf16(x); w (N * K,) u16 flat; out (M, cols) f32 or, planes_out, u16;
+        cols = N or, gated, N / 2; K the shared dimension."""
+        sh = cuda.shared.array(0, uint16)
+        M, cols = out.shape[0], out.shape[1]
+        skip = ((TILE_ALIGN - shared_address(sh) % TILE_ALIGN) % TILE_ALIGN) // 2   # stages on 1,024 bytes
+        amap = cuda.local.array((A_PER, 3), int64)
+        bmap = cuda.local.array((B_PER, 3), int64)
+        staging_map(M, cols, K, amap, bmap)
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = float32(0)
+        group = cuda.threadIdx.x // WARPGROUP
+        count = (K + TILE_K - 1) // TILE_K
+        # Prologue: W's chunks of the first AHEAD slabs before the PDL wait, x's after; one cp.async group per
+        # slab, so that slab s has landed once AHEAD + 1 + s groups have (wait_for_slab at iteration s).
+        for s in range(AHEAD):
+            if s < count:
+                issue(w, sh, skip + s * STAGE, s * TILE_K, K, B_PER, bmap)
+            cp_async_commit()
+        pdl.grid_wait()
+        for s in range(AHEAD):
+            if s < count:
+                issue(plane, sh, skip + s * STAGE, s * TILE_K, K, A_PER, amap)
+            cp_async_commit()
+        for it in range(count):
+            wait_for_slab()
+            fence_async_shared()
+            # slab `it` is in shared memory for every warpgroup; every warpgroup is done with slab it - 1 (with
+            # overlap: it - 2), whose buffer the next copies reuse
+            cuda.syncthreads()
+            nxt = it + AHEAD
+            if nxt < count:
+                base = skip + (nxt % stages) * STAGE
+                issue(w, sh, base, nxt * TILE_K, K, B_PER, bmap)
+                issue(plane, sh, base, nxt * TILE_K, K, A_PER, amap)
+            cp_async_commit()    # (an empty group past the end keeps the count that wait_for_slab expects)
+            base = skip + (it % stages) * STAGE
+            mma(sh, base + group * 64 * TILE_K, base + A_ELEMS, acc)
+            if overlap:
+                wait_previous()   # slab it - 1's products are done; slab it's run on past the next barrier
+        if overlap:
+            wait_all()
+        pdl.launch_dependents()
+
+        lane = cuda.threadIdx.x % WARP
+        m_base = cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4
+        if gated:
+            f_base = cuda.blockIdx.y * HALF + 2 * (lane % 4)
+            for j in range(NJ // 2):
+                for q in range(4):
+                    m, f = m_base + 8 * (q // 2), f_base + 8 * j + q % 2
+                    if m < M and f < cols:
+                        store(out, m, f, silu(acc[4 * j + q]) * acc[4 * (j + NJ // 2) + q])
+        else:
+            n_base = cuda.blockIdx.y * bn + 2 * (lane % 4)
+            for j in range(NJ):
+                for q in range(4):
+                    m, n = m_base + 8 * (q // 2), n_base + 8 * j + q % 2
+                    if m < M and n < cols:
+                        store(out, m, n, acc[4 * j + q])
+
+    gemm_wgmma_kernel.threads = THREADS
+    return gemm_wgmma_kernel
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------
+
+def gemm_wgmma(plane, m: int, weight, out, stream=0, tile: WgmmaTile | None = None, gated: bool = False):
+    """out = x @ W^T (gated: out = silu(x @ gate^T) * (x @ up^T) for W = [gate; up]) for an x (m, K) given as
+    its bf16 plane (uint16 (>= m * K,), what gemm_pipelined.bf16_planes writes with bf16_inputs). weight
+    (N, K) uint16 C-contiguous, K % 8 == 0; out float32 (m, cols), or uint16 (m, cols) for bf16(result), the
+    plane the next GEMM reads (cols = N, or N / 2 gated). tile: SIM_TILE in the simulator, else WgmmaTile()."""
+    N, K = weight.shape
+    cols = N // 2 if gated else N
+    if weight.dtype != np.uint16 or not weight.is_c_contiguous():
+        raise ValueError(f"gemm_wgmma: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if gated and N % 2:
+        raise ValueError(f"gemm_wgmma: a gated weight is [gate; up], an even number of rows, got {N}")
+    if K % CHUNK:
+        raise ValueError(f"gemm_wgmma: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
+    if plane.dtype != np.uint16 or len(plane.shape) != 1 or plane.shape[0] < m * K:
+        raise ValueError(f"gemm_wgmma: plane must be a 1-D uint16 workspace of at least {m * K} elements, got "
+                         f"{plane.dtype} {tuple(plane.shape)}")
+    if out.dtype not in (np.float32, np.uint16) or tuple(out.shape) != (m, cols):
+        raise ValueError(f"gemm_wgmma: out must be float32 or uint16 ({m}, {cols}), got {out.dtype} {tuple(out.shape)}")
+    if m == 0 or N == 0:
+        return
+    tile = WgmmaTile(*tile) if tile else (SIM_TILE if SIMULATOR else WgmmaTile())
+    kernel = _gemm_kernel(*tile, gated=bool(gated), planes_out=out.dtype == np.uint16)
+    grid = _cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn)
+    launch(kernel, grid, kernel.threads, stream, plane, view(weight, (N * K,)), out, np.int64(K),
+           shared=shared_bytes(tile), dependent=True)

@@ -1,0 +1,137 @@
+"""Hopper's warpgroup mma (cuda_kernels/wgmma.py) and the GEMM built on it (cuda_kernels/gemm_wgmma.py) against
+reference/matmul.py, in the simulator (the emulation, tiny shapes) and on a GPU of compute capability 9.0.
+
+The primitive is checked on one warpgroup through wgmma_tile: A and B in the swizzled shared-memory layout,
+every N the engine can use, one or more 64-deep slabs; a wrong descriptor, swizzle or accumulator mapping
+puts values in the wrong place and fails elementwise. The GEMM is checked as gemm_pipelined is
+(test_matmul_kernels.py): bf16(x) @ W^T within the fp32 summation tolerance, partial tiles along M, N and K,
+the gated and the planes-out epilogues, and its argument checks.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_support import SIM, device_empty, dot_tolerance, examples, pick, sizes, to_device
+from numba import cuda
+from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_inputs, stale_out, weight_shapes
+
+from cuda_kernels import gemm_pipelined as gp
+from cuda_kernels import gemm_wgmma as gw
+from cuda_kernels import wgmma
+from reference.bf16 import bf16_to_f32, f32_to_bf16
+from reference.matmul import bf16_planes as reference_bf16_planes
+
+pytestmark = pytest.mark.skipif(not SIM and cuda.get_current_device().compute_capability < (9, 0),
+                                reason="wgmma needs compute capability 9.0")
+seeds = st.integers(0, 2**32 - 1)
+
+
+def test_swizzle_tile_places_each_chunk_by_the_xor_of_its_row():
+    """Row r's chunk c lands at chunk position c ^ (r % 8) of the row: every element once, rows kept."""
+    tile = np.arange(16 * 64, dtype=np.uint16).reshape(16, 64)
+    image = wgmma.swizzle_tile(tile).reshape(16, 8, 8)
+    for r in range(16):
+        for c in range(8):
+            np.testing.assert_array_equal(image[r, c ^ (r % 8)], tile[r, 8 * c:8 * c + 8])
+    assert sorted(image.ravel()) == list(range(16 * 64))
+
+
+@settings(max_examples=examples(3, 12))
+@given(seeds, st.sampled_from(pick([8, 16], [8, 16, 64, 128, 256, 24, 72, 200])), st.integers(1, pick(2, 4)))
+def test_wgmma_tile_multiplies_swizzled_tiles(seed, n, slabs):
+    """One warpgroup, A (64, 64 s) @ B (n, 64 s)^T from swizzled shared memory: each of the 64 x n outputs in
+    its place, within the fp32 summation tolerance of the float64 product."""
+    rng = np.random.default_rng(seed)
+    a = f32_to_bf16(rng.standard_normal((64, 64 * slabs), dtype=np.float32))
+    b = f32_to_bf16(rng.standard_normal((n, 64 * slabs), dtype=np.float32))
+    d = device_empty((64, n), np.float32)
+    wgmma.wgmma_tile(a, b, d)
+    af, bf = bf16_to_f32(a).astype(np.float64), bf16_to_f32(b).astype(np.float64)
+    want = af @ bf.T
+    err = np.abs(d.copy_to_host() - want)
+    assert (err <= dot_tolerance(64 * slabs, np.abs(af) @ np.abs(bf).T)).all(), np.argwhere(err > 1e-3)[:8]
+
+
+def test_wgmma_rejects_other_widths():
+    for n in (0, 4, 12, 264):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            wgmma.wgmma_k64(n)
+
+
+# tiles: the simulator's (one warpgroup, narrow), a two-stage one and an overlapping one; on the GPU the
+# candidates the policy picks from
+WGMMA_TILES = pick([gw.SIM_TILE, gw.WgmmaTile(64, 32, 2), gw.WgmmaTile(64, 16, 3, 0, True)],
+                   [gw.WgmmaTile(), gw.WgmmaTile(128, 128, 4, 0, True), gw.WgmmaTile(128, 128, 3, 2, True),
+                    gw.WgmmaTile(64, 128, 4, 0, True), gw.WgmmaTile(128, 64, 4)])
+tile_ids = {"ids": lambda t: "x".join(map(str, t))}
+
+
+def plane_of(x):
+    plane = device_empty(x.size, np.uint16)
+    gp.bf16_planes(to_device(x), plane, bf16_inputs=True)
+    return plane
+
+
+@pytest.mark.parametrize("tile", WGMMA_TILES, **tile_ids)
+@settings(max_examples=examples(2, 8))
+@given(seeds, sizes(70, [64, 300, 1024], 1100), weight_shapes(40, 140))
+def test_gemm_wgmma(tile, seed, m, nk):
+    """Partial block tiles along M and N, K (a multiple of 8) short of a slab, one slab, or many; every output
+    written (the sentinel fails otherwise)."""
+    n, k = nk
+    k = 8 * -(-k // 8)
+    m = cap_m(m, n, k)
+    x, w = make_inputs(seed, m, n, k)
+    out = stale_out(m, n)
+    gw.gemm_wgmma(plane_of(x), m, to_device(w), out, tile=tile)
+    check(out, x, w, bf16_inputs=True)
+
+
+@pytest.mark.parametrize("tile", WGMMA_TILES, **tile_ids)
+@settings(max_examples=examples(2, 6))
+@given(seeds, sizes(70, [64, 300, 1024], 1100), gated_shapes, st.sampled_from([1.0, 3e15]))
+def test_gemm_wgmma_gated(tile, seed, m, fk, x_scale):
+    """SiLU*mul: F not a multiple of the block's BN / 2 features (gate and up rows past F staged as zeros,
+    nothing stored for them); |x| up to 3e15, where silu saturates or flushes to -0."""
+    f, k = fk
+    k = 8 * -(-k // 8)
+    m = cap_m(m, 2 * f, k)
+    x, w = make_inputs(seed, m, 2 * f, k, x_scale)
+    out = stale_out(m, f)
+    gw.gemm_wgmma(plane_of(x), m, to_device(w), out, tile=tile, gated=True)
+    check_gated(out, x, w, bf16_inputs=True)
+
+
+@pytest.mark.parametrize("tile", WGMMA_TILES, **tile_ids)
+@settings(max_examples=examples(2, 4))
+@given(seeds, sizes(40, [64, 300], 1100), gated_shapes)
+def test_gemm_wgmma_planes_out_is_the_rounded_result(tile, seed, m, fk):
+    """The gated GEMM writing bf16(result) (the down projection's x plane): exactly the bf16 rounding of the
+    same kernel's float32 result."""
+    f, k = (8 * -(-v // 8) for v in fk)
+    m = cap_m(m, 2 * f, k)
+    x, w = make_inputs(seed, m, 2 * f, k)
+    plane, dw = plane_of(x), to_device(w)
+    act = stale_out(m, f)
+    gw.gemm_wgmma(plane, m, dw, act, tile=tile, gated=True)
+    rounded = to_device(np.full((m, f), 0xBEEF, np.uint16))
+    gw.gemm_wgmma(plane, m, dw, rounded, tile=tile, gated=True)
+    np.testing.assert_array_equal(rounded.copy_to_host().ravel(),
+                                  reference_bf16_planes(act.copy_to_host(), True).ravel())
+
+
+def test_gemm_wgmma_rejects_bad_arguments():
+    x, w = make_inputs(0, 4, 6, 16)
+    plane, dw = plane_of(x), to_device(w)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gw.gemm_wgmma(device_empty(4 * 12, np.uint16), 4, to_device(w[:, :12].copy()), stale_out(4, 6))
+    with pytest.raises(ValueError, match="plane must be"):
+        gw.gemm_wgmma(device_empty(10, np.uint16), 4, dw, stale_out(4, 6))
+    with pytest.raises(ValueError, match="out must be"):
+        gw.gemm_wgmma(plane, 4, dw, stale_out(4, 5))
+    with pytest.raises(ValueError, match="even number"):
+        gw.gemm_wgmma(plane, 4, to_device(w[:5].copy()), stale_out(4, 2), gated=True)
+    for tile in (gw.WgmmaTile(32, 16, 2), gw.WgmmaTile(64, 16, 2, 0, True)):
+        with pytest.raises(ValueError, match="BM a multiple of 64"):
+            gw.gemm_wgmma(plane, 4, dw, stale_out(4, 6), tile=tile)
