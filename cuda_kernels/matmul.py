@@ -151,11 +151,15 @@ GEMV_TC_NARROW_N = 2048
 # simulator, where every emulated mma costs two block barriers over Python threads (a test switches it on to
 # walk the entry points).
 GEMV_TC_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_GEMV_TC", "1") != "0"
-# gemm_wgmma from this many rows (above the skinny plan's M, so decode batches keep their split-K tiles), with
-# this tile. NOTE: off unless TINYVLLM_WGMMA=1 until a GPU run has timed it against gemm_pipelined.
+# gemm_wgmma from this many rows (above the skinny plan's M, so decode batches keep their split-K tiles), in
+# the tiles of wgmma_tile. On by default on a GPU of compute capability 9.0, where it beat gemm_pipelined on
+# every prefill GEMM of the 1B model and took the 1,024-token TTFT from 12.8-13.3 to 11.3-11.4 ms (H200,
+# docs/performance.md, "gemm_wgmma"); TINYVLLM_WGMMA=0 turns it off (for an A/B).
 WGMMA_MIN_M = PIPELINED_SKINNY_MAX_M + 1
 WGMMA_TILE = WgmmaTile(128, 128, 4, overlap=True)
-WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "0") == "1"
+WGMMA_TWO_BLOCK_TILE = WgmmaTile(128, 128, 3, 2, overlap=True)   # two blocks per SM: for grids above a wave
+WGMMA_ONE_WAVE = 132
+WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "1") != "0"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -407,7 +411,7 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     if down_tc:
         gemv_tc.gemv_tc(act_planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
     elif down_wg:
-        gemm_wgmma.gemm_wgmma(view(act_planes, (M * F,)), M, down, out, stream, tile=WGMMA_TILE)
+        gemm_wgmma.gemm_wgmma(view(act_planes, (M * F,)), M, down, out, stream, tile=wgmma_tile(M, H))
     else:
         planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_plan[0],
@@ -449,10 +453,18 @@ def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = Fal
                     config=gemv_tc_config(x.shape[0], weight.shape[0], x.shape[1]), gated=gated)
 
 
+def wgmma_tile(m: int, n: int, gated: bool = False) -> WgmmaTile:
+    """The tile gemm_wgmma uses for x (m, K) @ W (n, K)^T (n: the weight's rows): with more 128 x 128 blocks
+    than one wave, the three-stage tile that fits two blocks per SM; else the four-stage one (H200:
+    docs/performance.md, "gemm_wgmma tiles")."""
+    blocks = -(-m // 128) * -(-(n // 2 if gated else n) // (64 if gated else 128))
+    return WGMMA_TWO_BLOCK_TILE if blocks > WGMMA_ONE_WAVE else WGMMA_TILE
+
+
 def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
     """gemm_wgmma on x's bf16 plane in workspace (converted first unless planes_ready)."""
     gemm_wgmma.gemm_wgmma(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream,
-                          tile=WGMMA_TILE, gated=gated)
+                          tile=wgmma_tile(x.shape[0], weight.shape[0], gated), gated=gated)
 
 
 def _rows(scratch, m: int):

@@ -146,6 +146,7 @@ def check_fp32_kv_parity(model_dir, llm, prompts, max_tokens):
     reference's greedy tokens batched and alone."""
     got, want = first_step_logits(model_dir, llm, None, prompts=prompts)
     scale = np.abs(want).max()
+    print(f"fp32 KV: largest logit difference {np.abs(got - want).max():.3g} of logits up to {scale:.3g}")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
     assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
     alone, want_alone = first_step_logits(model_dir, llm, None, prompts=prompts[-1:])

@@ -18,6 +18,7 @@ from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_in
 
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_wgmma as gw
+from cuda_kernels import matmul as mm
 from cuda_kernels import wgmma
 from reference.bf16 import bf16_to_f32, f32_to_bf16
 from reference.matmul import bf16_planes as reference_bf16_planes
@@ -135,3 +136,46 @@ def test_gemm_wgmma_rejects_bad_arguments():
     for tile in (gw.WgmmaTile(32, 16, 2), gw.WgmmaTile(64, 16, 2, 0, True)):
         with pytest.raises(ValueError, match="BM a multiple of 64"):
             gw.gemm_wgmma(plane, 4, dw, stale_out(4, 6), tile=tile)
+
+
+def test_wgmma_tile_policy():
+    """Two blocks per SM where the grid has more than a wave of 128 x 128 blocks, else the four-stage tile; and
+    never in the simulator or below WGMMA_MIN_M rows."""
+    assert mm.wgmma_tile(1024, 3072) == mm.wgmma_tile(1024, 16384, gated=True) == mm.WGMMA_TWO_BLOCK_TILE
+    assert mm.wgmma_tile(1024, 2048) == mm.wgmma_tile(300, 3072) == mm.WGMMA_TILE
+    assert mm.wgmma_tile(1056, 2048) == mm.WGMMA_TWO_BLOCK_TILE   # 9 x 16 blocks
+    if SIM:
+        assert not mm.uses_wgmma(1024, 2048, 2048, True)
+    assert not mm.uses_wgmma(mm.WGMMA_MIN_M - 1, 2048, 2048, True)
+    assert not mm.uses_wgmma(1024, 2048, 2048, False)
+
+
+def test_entry_points_take_gemm_wgmma(monkeypatch):
+    """With gemm_wgmma switched on (as on a GPU of compute capability 9.0), matmul, gated_matmul and mlp send
+    bf16 prefill rows to it, x's plane converted first (or the norm's, planes_ready), act as the down
+    projection's plane: each result within the same bounds as the other kernels'."""
+    calls = []
+    kernel = gw.gemm_wgmma
+    monkeypatch.setattr(mm, "WGMMA_IN_ENGINE", True)
+    monkeypatch.setattr(mm, "_hopper", lambda: True)
+    monkeypatch.setattr(mm, "wgmma_tile", lambda m, n, gated=False: gw.SIM_TILE if SIM else mm.WGMMA_TILE)
+    monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(a[1]) or kernel(*a, **k))
+    m, n, f, k = mm.WGMMA_MIN_M, 24, 16, 64
+    x, w = make_inputs(1, m, n, k)
+    ws = device_empty(m * max(k, f), np.uint16)
+    out = stale_out(m, n)
+    mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=ws)
+    check(out, x, w, bf16_inputs=True)
+    wg = make_inputs(2, 1, 2 * f, k)[1]
+    gated = stale_out(m, f)
+    mm.gated_matmul(to_device(x), to_device(wg), gated, None, bf16_inputs=True, workspace=ws)
+    check_gated(gated, x, wg, bf16_inputs=True)
+    w2 = make_inputs(3, 1, k, f)[1]
+    act_planes = device_empty((m, f), np.uint16)
+    out2 = stale_out(m, k)
+    mm.mlp(to_device(x), to_device(wg), to_device(w2), out2, None, None, bf16_inputs=True, workspace=ws,
+           act_planes=act_planes)
+    act = bf16_to_f32(act_planes.copy_to_host())   # the plane the down GEMM read: bf16(act)
+    np.testing.assert_array_equal(act_planes.copy_to_host(), f32_to_bf16(gated.copy_to_host()))
+    check(out2, act, w2, bf16_inputs=True)
+    assert calls == [m, m, m, m]
