@@ -151,11 +151,13 @@ GEMV_TC_NARROW_N = 2048
 # simulator, where every emulated mma costs two block barriers over Python threads (a test switches it on to
 # walk the entry points).
 GEMV_TC_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_GEMV_TC", "1") != "0"
-# gemm_wgmma from this many rows (above the skinny plan's M, so decode batches keep their split-K tiles), in
-# the tiles of wgmma_tile. On by default on a GPU of compute capability 9.0, where it beat gemm_pipelined on
-# every prefill GEMM of the 1B model and took the 1,024-token TTFT from 12.8-13.3 to 11.3-11.4 ms (H200,
-# docs/performance.md, "gemm_wgmma"); TINYVLLM_WGMMA=0 turns it off (for an A/B).
-WGMMA_MIN_M = PIPELINED_SKINNY_MAX_M + 1
+# gemm_wgmma from this many rows, in the tiles of wgmma_tile. On by default on a GPU of compute capability 9.0,
+# where it beat gemm_pipelined on every prefill GEMM of the 1B model at 300 and 1,024 rows and took the
+# 1,024-token TTFT from 12.8-13.3 to 11.3-11.4 ms (H200, docs/performance.md, "gemm_wgmma"); TINYVLLM_WGMMA=0
+# turns it off (for an A/B). NOTE: from 257 rows, so that decode batches (at most 256 sequences by default)
+# keep gemm_pipelined's small-grid tiles: its 128 x 128 blocks have not been timed against them below 300
+# rows. A multiple of 64 plus one, so that every class of M the warm-up walks takes one kernel.
+WGMMA_MIN_M = 257
 WGMMA_TILE = WgmmaTile(128, 128, 4, overlap=True)
 WGMMA_TWO_BLOCK_TILE = WgmmaTile(128, 128, 3, 2, overlap=True)   # two blocks per SM: for grids above a wave
 WGMMA_ONE_WAVE = 132
