@@ -25,6 +25,7 @@ from tools.kernel_benchmarks.common import Case, checked_time, copy_bandwidth_gb
 
 MMA_PEAK_TFLOPS = 359.0   # mma.sync m16n8k16 bf16 in a register-only loop, H200 (docs/performance.md)
 FMA_PEAK_TFLOPS = 67.0    # fp32 FMA on the CUDA cores, H200 datasheet (docs/performance.md)
+WGMMA_PEAK_TFLOPS = 989.0  # dense bf16 on the tensor cores through wgmma, H100 / H200 SXM datasheet
 
 
 @dataclass
