@@ -143,39 +143,31 @@ else:
         # with a source size of 0 bytes the instruction reads nothing and fills the 16 bytes with zeros
         _cp_async_asm(dst, int64(d), src, int64(s), uint32(16) if valid else uint32(0))
 
-    @intrinsic
-    def _commit_asm(typingctx):
-        def codegen(context, builder, signature, args):
-            builder.call(_volatile(ir.FunctionType(ir.VoidType(), []), "cp.async.commit_group;", ""), [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def cp_async_commit():
-        """Close this thread's current group of cp.async copies."""
-        _commit_asm()
-
     @lru_cache(maxsize=None)
-    def cp_async_wait(n: int):
-        """A device function that waits until at most n of this thread's cp.async groups are in flight."""
-        if n < 0:
-            raise ValueError(f"cp_async_wait: n must be >= 0, got {n}")
-
+    def ptx_statement(text: str):
+        """A device function that executes one operand-free PTX statement (volatile, with a memory clobber: it
+        stays in program order with the shared-memory accesses and barriers around it)."""
         @intrinsic
-        def wait_asm(typingctx):
+        def statement_asm(typingctx):
             def codegen(context, builder, signature, args):
-                asm = _volatile(ir.FunctionType(ir.VoidType(), []), f"cp.async.wait_group {n};", "")
-                builder.call(asm, [])
+                builder.call(_volatile(ir.FunctionType(ir.VoidType(), []), text, ""), [])
                 return context.get_dummy_value()
 
             return types.void(), codegen
 
         @cuda.jit(device=True, inline=True)
-        def wait():
-            wait_asm()
+        def statement():
+            statement_asm()
 
-        return wait
+        return statement
+
+    cp_async_commit = ptx_statement("cp.async.commit_group;")   # close this thread's current group of copies
+
+    def cp_async_wait(n: int):
+        """A device function that waits until at most n of this thread's cp.async groups are in flight."""
+        if n < 0:
+            raise ValueError(f"cp_async_wait: n must be >= 0, got {n}")
+        return ptx_statement(f"cp.async.wait_group {n};")
 
     def _ldmatrix_intrinsic(instruction):
         @intrinsic
@@ -206,6 +198,26 @@ else:
     def ldmatrix_x4_trans(sh, i):
         """(r0, r1, r2, r3) for this lane, each matrix transposed (see the module docstring)."""
         return _ldmatrix_trans_asm(sh, int64(i))
+
+
+@lru_cache(maxsize=None)
+def slab_issuer(slab_k: int):
+    """A device function ``issue(src, sh, base, k0, K, chunks, cmap)`` for the tiled GEMMs that stage K slabs of
+    slab_k elements: cp.async this thread's `chunks` chunks of the slab at k0 into the stage at element offset
+    base of sh. cmap (chunks, 3) int64 is one operand's staging map: per chunk its offset in a stage (-1: no
+    chunk), its flat source offset at k = 0 (-1: a row past the operand, copied as zeros) and its k within the
+    slab (chunks past K are zeros too; interior slabs skip that check)."""
+    @cuda.jit(device=True)
+    def issue(src, sh, base, k0, K, chunks, cmap):
+        whole = k0 + slab_k <= K
+        for e in range(chunks):
+            d = cmap[e, 0]
+            if d >= 0:
+                s0 = cmap[e, 1]
+                valid = s0 >= 0 and (whole or k0 + cmap[e, 2] < K)
+                cp_async_16(sh, base + d, src, s0 + k0 if valid else 0, valid)
+
+    return issue
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda impo
 from cuda_kernels.activation import silu
 from numba import cuda, float32, int32, int64, uint16, uint32
 
-from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4
+from cuda_kernels.async_copy import CHUNK, cp_async_commit, cp_async_wait, ldmatrix_x4, slab_issuer
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
@@ -227,18 +227,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
             bmap[e, 1] = n * K + CHUNK * q if c < B_CHUNKS and exists else -1
             bmap[e, 2] = CHUNK * q
 
-    @cuda.jit(device=True)
-    def issue(src, sh, stage, k0, K, chunks, cmap):
-        """cp.async this thread's `chunks` chunks (cmap: one operand's staging map) of the slab at k0 into stage
-        `stage` (interior slabs skip the k checks)."""
-        base = stage * STAGE
-        whole = k0 + bk <= K
-        for e in range(chunks):
-            d = cmap[e, 0]
-            if d >= 0:
-                s0 = cmap[e, 1]
-                valid = s0 >= 0 and (whole or k0 + cmap[e, 2] < K)
-                cp_async_16(sh, base + d, src, s0 + k0 if valid else 0, valid)
+    issue = slab_issuer(bk)
 
     @cuda.jit(device=True, inline=True)
     def gemm_body(planes, w, out, K, partials, counters):
@@ -273,20 +262,20 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
         # STAGES + s groups have (what wait_for_slab checks at iteration s, below).
         for s in range(stages - 1):
             if s < count:
-                issue(w, sh, s, (first + s) * bk, K, B_PER, bmap)
+                issue(w, sh, s * STAGE, (first + s) * bk, K, B_PER, bmap)
             cp_async_commit()
         pdl.grid_wait()
         for s in range(stages - 1):
             if s < count:
-                issue(planes, sh, s, (first + s) * bk, K, A_PER, amap)
+                issue(planes, sh, s * STAGE, (first + s) * bk, K, A_PER, amap)
             cp_async_commit()
         for it in range(count):
             wait_for_slab()
             cuda.syncthreads()   # slab `it` is in shared memory for every thread; slab it - 1 is free
             nxt = it + stages - 1
             if nxt < count:
-                issue(w, sh, nxt % stages, (first + nxt) * bk, K, B_PER, bmap)
-                issue(planes, sh, nxt % stages, (first + nxt) * bk, K, A_PER, amap)
+                issue(w, sh, (nxt % stages) * STAGE, (first + nxt) * bk, K, B_PER, bmap)
+                issue(planes, sh, (nxt % stages) * STAGE, (first + nxt) * bk, K, A_PER, amap)
             cp_async_commit()    # (an empty group past the end keeps the count that wait_for_slab expects)
             base = (it % stages) * STAGE
             for s in range(S):

@@ -50,7 +50,7 @@ import numpy as np
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels import pdl
 from cuda_kernels.activation import silu
-from cuda_kernels.async_copy import CHUNK, cp_async_16, cp_async_commit, cp_async_wait
+from cuda_kernels.async_copy import CHUNK, cp_async_commit, cp_async_wait, slab_issuer
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.primitives import WARP, f32_to_bf16
@@ -142,17 +142,7 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
             bmap[e, 1] = n * K + CHUNK * q if c < bn * CH and exists else -1
             bmap[e, 2] = CHUNK * q
 
-    @cuda.jit(device=True)
-    def issue(src, sh, base, k0, K, chunks, cmap):
-        """cp.async this thread's `chunks` chunks (cmap: one operand's staging map) of the slab at k0 into the
-        stage at element offset base (interior slabs skip the k checks)."""
-        whole = k0 + TILE_K <= K
-        for e in range(chunks):
-            d = cmap[e, 0]
-            if d >= 0:
-                s0 = cmap[e, 1]
-                valid = s0 >= 0 and (whole or k0 + cmap[e, 2] < K)
-                cp_async_16(sh, base + d, src, s0 + k0 if valid else 0, valid)
+    issue = slab_issuer(TILE_K)
 
     @cuda.jit(device=True, inline=True)
     def store(out, m, n, v):

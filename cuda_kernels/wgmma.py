@@ -132,6 +132,8 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    from cuda_kernels.async_copy import ptx_statement
+
     _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 
     def _volatile(fnty, asm, constraints):
@@ -152,37 +154,12 @@ else:
         """The 32-bit shared-window address of sh[0] (sh: a shared array)."""
         return _shared_address_asm(sh)
 
-    @intrinsic
-    def _fence_asm(typingctx):
-        def codegen(context, builder, signature, args):
-            builder.call(_volatile(ir.FunctionType(ir.VoidType(), []), "fence.proxy.async.shared::cta;", ""), [])
-            return context.get_dummy_value()
+    # order this thread's earlier shared-memory writes before later reads by the tensor cores (the async proxy)
+    fence_async_shared = ptx_statement("fence.proxy.async.shared::cta;")
 
-        return types.void(), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def fence_async_shared():
-        """Order this thread's earlier shared-memory writes before later reads by the tensor cores (the async
-        proxy)."""
-        _fence_asm()
-
-    @lru_cache(maxsize=None)
     def wgmma_wait(pending: int):
         """A device function that waits until at most `pending` of this warpgroup's wgmma groups are in flight."""
-        @intrinsic
-        def wait_asm(typingctx):
-            def codegen(context, builder, signature, args):
-                asm = _volatile(ir.FunctionType(ir.VoidType(), []), f"wgmma.wait_group.sync.aligned {pending};", "")
-                builder.call(asm, [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        @cuda.jit(device=True, inline=True)
-        def wait():
-            wait_asm()
-
-        return wait
+        return ptx_statement(f"wgmma.wait_group.sync.aligned {pending};")
 
     def _k64_asm(n: int, wait: bool):
         """The inline assembly of four chained m64nNk16 steps: $0 .. $R-1 the accumulators (outputs, and the
