@@ -427,14 +427,16 @@ def matmul_rope_kv_write(x, weight, positions, cos, sin, k_cache, v_cache, slot_
     the caches in any format of kv_format, k_scale and v_scale the fp8 cache's scales):
     at decode sizes one gemv with the rotation and the cache write in its epilogue (gemv_rope: no qkv in
     memory, no RoPE kernel), where uses_gemv_tc says gemv_tc with the same epilogue, else matmul into scratch
-    (at least (M, N) float32) and rope.rope_kv_write. planes_ready: as matmul's. Twin: reference.matmul.matmul_rope_kv_write."""
+    (at least (M, N) float32) and rope.rope_kv_write. planes_ready: as matmul's.
+    Twin: reference.matmul.matmul_rope_kv_write."""
     (M, K), N = x.shape, weight.shape[0]
     if uses_gemv(M, N):
         gemv_rope(x, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
                   config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, k_scale=k_scale, v_scale=v_scale)
     elif workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
-        gemv_tc.gemv_tc_rope(_x_plane(x, workspace, stream, planes_ready), M, weight, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, stream,
-                             config=gemv_tc_config(M, N, K), k_scale=k_scale, v_scale=v_scale)
+        gemv_tc.gemv_tc_rope(_x_plane(x, workspace, stream, planes_ready), M, weight, positions, cos, sin, k_cache,
+                             v_cache, slot_mapping, q_out, stream, config=gemv_tc_config(M, N, K), k_scale=k_scale,
+                             v_scale=v_scale)
     else:
         qkv = _rows(scratch, x.shape[0])
         matmul(x, weight, qkv, stream, bf16_inputs=bf16_inputs, workspace=workspace, split_workspace=split_workspace,
