@@ -38,6 +38,7 @@ from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_simt as simt
 from cuda_kernels import gemm_tc as tc
 from cuda_kernels import gemv as gv
+from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemv_tc as gt
 from cuda_kernels import matmul as mm
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
@@ -402,24 +403,63 @@ def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=None, cold_bytes: int =
                 def tc_gemv(dx, w_, out_, stream, m=m, config=config, gated=gated):
                     gt.gemv_tc(dx, m, w_, out_, stream, config=config, gated=gated)
                 runs.append((f"gemv_tc {_gemv_tc_label(config)}", tc_gemv))
-            for label, launcher in runs:
-                turn = [0]
+            out += [_planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) for label, launcher in runs]
+    return out
 
-                def launch(stream, launcher=launcher, turn=turn, planes=planes, copies=copies, dout=dout):
-                    launcher(planes, copies[turn[0] % len(copies)], dout, stream)
-                    turn[0] += 1
 
-                def check(launcher=launcher, x=x, w=w, dout=dout, gated=gated, planes=planes, copies=copies):
-                    dout.copy_to_device(np.full(dout.shape, np.nan, np.float32))
-                    launcher(planes, copies[0], dout, 0)
-                    cuda.synchronize()
-                    if gated:
-                        _check_gated(dout.copy_to_host(), x, w, True)
-                    else:
-                        _check_close(dout, x, w, True)
+def _planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) -> Case:
+    """A case for a launcher(planes, weight, out, stream) of x's bf16 plane (the engine's bf16 inputs), cycling
+    through the weight's device copies; checked against the reference (gated: silu(gate) * up) first."""
+    (m, k), n = x.shape, w.shape[0]
+    turn = [0]
 
-                out.append(Case("matmul", f"{wname} {m}x{k} @ {n}x{k}^T ({label})", launch, check,
-                                bytes_moved=w.nbytes, shape=f"{wname} {m}", config=label))
+    def launch(stream):
+        launcher(planes, copies[turn[0] % len(copies)], dout, stream)
+        turn[0] += 1
+
+    def check():
+        dout.copy_to_device(np.full(dout.shape, np.nan, np.float32))
+        launcher(planes, copies[0], dout, 0)
+        cuda.synchronize()
+        if gated:
+            _check_gated(dout.copy_to_host(), x, w, True)
+        else:
+            _check_close(dout, x, w, True)
+
+    return Case("matmul", f"{wname} {m}x{k} @ {n}x{k}^T ({label})", launch, check, bytes_moved=w.nbytes,
+                flops=2.0 * m * n * k, shape=f"{wname} {m}", config=label)
+
+
+# gemm_wgmma tiles worth timing (--wgmma): the policy's two, the synchronous rung, more stages, 64 rows a block
+WGMMA_CANDIDATES = (mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE, gw.WgmmaTile(128, 128, 4),
+                    gw.WgmmaTile(128, 128, 5, overlap=True), gw.WgmmaTile(64, 128, 4, overlap=True))
+
+
+def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) -> list[Case]:
+    """Prefill GEMMs with bf16 inputs, x's bf16 plane ready (as the engine's norms write it): gemm_pipelined in
+    its policy's tile (gemm_planes) against gemm_wgmma in each of `tiles` (the policy's pick first); gate/up
+    gated (silu(gate) * up, as the engine runs it), the rest plain, the LM head left out (the engine runs it
+    on the sampled rows only). Needs a GPU of compute capability 9.0 (or the simulator, on tiny shapes)."""
+    rng = np.random.default_rng(7)
+    out = []
+    for wname, n, k, w, copies in _cold_weights(rng, [w for w in weights or TC_WEIGHTS if w != "lm_head"], 0):
+        gated = wname == "gate_up"
+        for m in ms:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            planes = cuda.to_device(f32_to_bf16(x).ravel())
+            dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
+            ptile = mm.pipelined_tile(m, n, k, True)
+            policy = mm.wgmma_tile(m, n, gated)
+
+            def pipelined(dx, w_, out_, stream, m=m, tile=ptile, gated=gated):
+                gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated)
+            runs = [(f"gemm_pipelined {_tile_label(ptile)}", pipelined)]
+            for tile in (policy, *(t for t in tiles if t != policy)):
+                def wgmma(dx, w_, out_, stream, m=m, tile=tile, gated=gated):
+                    gw.gemm_wgmma(dx, m, w_, out_, stream, tile=tile, gated=gated)
+                label = "policy" if tile == policy else "variant"
+                runs.append((f"gemm_wgmma {label} {_tile_label(tile)}", wgmma))
+            out += [_planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) for label, launcher in runs]
     return out
 
 
@@ -572,8 +612,18 @@ def main() -> None:
                         help="instead: decode batches (M = 16, 32, 64, or --m up to 64) with cold weights and bf16 "
                              "inputs: the skinny plan against gemv_tc in each of GEMV_TC_CANDIDATES (one, two and "
                              "four row tiles a warp)")
+    parser.add_argument("--wgmma", action="store_true",
+                        help="instead: prefill GEMMs (M = 192, 256, 300, 1024, or --m from 129) with bf16 inputs: "
+                             "gemm_pipelined's policy tile against gemm_wgmma in each of WGMMA_CANDIDATES")
     args = parser.parse_args()
-    if args.gemv_tc:
+    if args.wgmma:
+        print("| case | time (us) | TFLOP/s |")
+        print("| --- | ---: | ---: |")
+        for case in wgmma_cases([m for m in args.m if m > 128] or (192, 256, 300, 1024), args.weights):
+            seconds = checked_time(case)
+            cell = seconds if isinstance(seconds, str) else f"{seconds * 1e6:,.1f} | {case.flops / seconds / 1e12:.0f}"
+            print(f"| {case.name} | {cell} |", flush=True)
+        return
         print("| case | time (us) | weight GB/s |")
         print("| --- | ---: | ---: |")
         for case in gemv_tc_cases([m for m in args.m if 8 < m <= 64] or (16, 32, 64), args.weights):
