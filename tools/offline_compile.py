@@ -148,10 +148,12 @@ def install(cuda_home: Path, report: list) -> None:
     def compile_kernel(kernel, grid, block, args):
         signature = tuple(numba_type(a) for a in args)
         options = {k: v for k, v in kernel.targetoptions.items() if k in OPTIONS}
-        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC, **options)
+        # NOTE: for the architecture-specific target, sm_90a, as numba-cuda compiles on a device of compute
+        # capability 9.0 (gemm_wgmma's instructions exist there only)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(*CC, "a"), **options)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(ptx)
-            done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+            done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                                   capture_output=True, text=True)
         report.append((kernel.py_func.__name__, tuple(grid), tuple(block), done))
 
@@ -166,6 +168,9 @@ def install(cuda_home: Path, report: list) -> None:
     from cuda_kernels import pdl
 
     pdl._device_supports = lambda: True  # the griddepcontrol instructions exist on sm_90
+    from cuda_kernels import matmul
+
+    matmul._hopper = lambda: True        # the target is compute capability 9.0: the engine takes gemm_wgmma
     cuda.to_device = lambda array, *a, **k: FakeDeviceArray(np.asarray(array))
     cuda.device_array = lambda shape, dtype=np.float64, *a, **k: FakeDeviceArray(np.zeros(shape, dtype))
     cuda.pinned_array = lambda shape, dtype=np.float64, *a, **k: np.zeros(shape, dtype)
@@ -203,6 +208,7 @@ def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf1
         return ScheduledSequence(seq, new_tokens)
 
     runner.execute([scheduled(100, 100, 0.7), scheduled(30, 30, 0.0)])      # prefill, sampled
+    runner.execute([scheduled(320, 320, 0.0)])   # a prefill of matmul.WGMMA_MIN_M rows or more: gemm_wgmma
     for batch in (1, 8, 16, 64, 128):   # decode, greedy: gemv, then the skinny (split-K) GEMMs of each BM
         runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
 
@@ -210,7 +216,9 @@ def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf1
 def ptxas_registers(ptxas: Path, ptx: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
-        done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+        # the PTX's own target: sm_90a where a kernel uses wgmma (numba-cuda targets it on such devices)
+        arch = re.search(r"\.target (sm_\w+)", ptx)[1]
+        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                               capture_output=True, text=True, check=True)
     return int(re.search(r"Used (\d+) registers", done.stderr)[1])
 
