@@ -20,6 +20,12 @@ smaller index in the low 16 bits). That is exactly the per-lane layout of an mma
 elements 2t and 2t + 1 of column g of matrix q (rows 2t and 2t + 1). With a matrix's rows along an mma's k
 (a V tile stored key by key), that is the B fragment of k = rows, n = columns.
 
+Helpers for the kernels built on them (gemm_pipelined, gemm_wgmma, cuda_kernels/wgmma.py): ``slab_issuer``
+(a thread's cp.async copies of one K slab from its staging map), ``shared_address(sh)`` (the 32-bit
+shared-window address of a shared array, which descriptors and alignment need), and on the GPU
+``ptx_statement(text)`` (one operand-free PTX statement as a device function: commit, waits, fences) and
+``volatile_asm`` (the inline-assembly constructor all of them use).
+
 Two implementations, chosen at import time:
 - GPU: Numba ``@intrinsic`` functions emitting the PTX (``cp.async.cg.shared.global``, ``cp.async.commit_group``,
   ``cp.async.wait_group``, ``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``) as volatile inline assembly with
@@ -59,6 +65,11 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def cp_async_commit():
         """No-op in the simulator: its copies are already done."""
+
+    @cuda.jit(device=True)
+    def shared_address(sh):
+        """The simulator's shared arrays have no addresses: offsets count from 0, already aligned."""
+        return uint32(0)
 
     @lru_cache(maxsize=None)
     def cp_async_wait(n: int):
@@ -116,7 +127,8 @@ else:
         shared = builder.addrspacecast(pointer, shared_type)
         return builder.trunc(builder.ptrtoint(shared, _I64), _I32)
 
-    def _volatile(fnty, asm, constraints):
+    def volatile_asm(fnty, asm, constraints):
+        """llvmlite inline assembly of type fnty, volatile and with a memory clobber."""
         # NOTE: side_effect (volatile) and the memory clobber keep the copies, waits and shared loads in
         # program order with the block barriers and with each other.
         return ir.InlineAsm(fnty, asm, constraints + ",~{memory}" if constraints else "~{memory}",
@@ -129,7 +141,7 @@ else:
         def codegen(context, builder, signature, args):
             dst_ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
             src_ptr = _element_pointer(context, builder, signature.args[2], args[2], args[3])
-            asm = _volatile(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32]),
+            asm = volatile_asm(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32]),
                             "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
             builder.call(asm, [_shared_address(builder, dst_ptr), builder.ptrtoint(src_ptr, _I64), args[4]])
             return context.get_dummy_value()
@@ -143,6 +155,19 @@ else:
         # with a source size of 0 bytes the instruction reads nothing and fills the 16 bytes with zeros
         _cp_async_asm(dst, int64(d), src, int64(s), uint32(16) if valid else uint32(0))
 
+    @intrinsic
+    def _shared_address_asm(typingctx, sh):
+        def codegen(context, builder, signature, args):
+            pointer = _element_pointer(context, builder, signature.args[0], args[0], ir.Constant(_I64, 0))
+            return _shared_address(builder, pointer)
+
+        return types.uint32(sh), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def shared_address(sh):
+        """The 32-bit shared-window address of sh[0] (sh: a 1-D shared array)."""
+        return _shared_address_asm(sh)
+
     @lru_cache(maxsize=None)
     def ptx_statement(text: str):
         """A device function that executes one operand-free PTX statement (volatile, with a memory clobber: it
@@ -150,7 +175,7 @@ else:
         @intrinsic
         def statement_asm(typingctx):
             def codegen(context, builder, signature, args):
-                builder.call(_volatile(ir.FunctionType(ir.VoidType(), []), text, ""), [])
+                builder.call(volatile_asm(ir.FunctionType(ir.VoidType(), []), text, ""), [])
                 return context.get_dummy_value()
 
             return types.void(), codegen
@@ -176,7 +201,7 @@ else:
 
             def codegen(context, builder, signature, args):
                 address = _shared_address(builder, _element_pointer(context, builder, signature.args[0], *args))
-                asm = _volatile(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
+                asm = volatile_asm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
                                 f"{instruction} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,r")
                 regs = builder.call(asm, [address])
                 return context.make_tuple(builder, signature.return_type,

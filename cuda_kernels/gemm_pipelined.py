@@ -447,27 +447,35 @@ def split_partials_size(tile: PipelinedTile, m: int, n: int, splits: int, gated:
     return split_counters_size(tile, m, n, gated) * splits * tile.bm * tile.bn
 
 
+def check_planes_args(kernel: str, planes, m: int, weight, out, p: int, gated: bool) -> tuple[int, int, int]:
+    """Check the arguments of a GEMM of x (m, K) given as its p bf16 planes (gemm_pipelined's, gemm_wgmma's):
+    planes a 1-D uint16 workspace of at least p * m * K; weight (N, K) C-contiguous uint16, K % 8 == 0, N even
+    when gated; out float32 (m, cols) or the result's uint16 planes (p * m, cols), cols = N or, gated, N / 2.
+    Returns (N, K, cols); a ValueError names the kernel, the argument and what it got."""
+    N, K = weight.shape
+    cols = N // 2 if gated else N
+    if weight.dtype != np.uint16 or not weight.is_c_contiguous():
+        raise ValueError(f"{kernel}: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if gated and N % 2:
+        raise ValueError(f"{kernel}: a gated weight is [gate; up], an even number of rows, got {N}")
+    if K % CHUNK:
+        raise ValueError(f"{kernel}: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
+    if planes.dtype != np.uint16 or len(planes.shape) != 1 or planes.shape[0] < p * m * K:
+        raise ValueError(f"{kernel}: planes must be a 1-D uint16 workspace of at least {p * m * K} elements, "
+                         f"got {planes.dtype} {tuple(planes.shape)}")
+    planes_out = out.dtype == np.uint16
+    if out.dtype not in (np.float32, np.uint16) or tuple(out.shape) != ((p * m, cols) if planes_out else (m, cols)):
+        raise ValueError(f"{kernel}: out must be float32 ({m}, {cols}) or its uint16 planes ({p * m}, {cols}), "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return N, K, cols
+
+
 def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bool, splits: int = 1,
                  split_workspace=None):
     """Check the arguments of gemm_planes; (kernel, grid, kernel arguments, shared bytes), or None when there
     is nothing to compute."""
-    N, K = weight.shape
-    cols = N // 2 if gated else N
-    p = pieces(bf16_inputs)
-    if weight.dtype != np.uint16 or not weight.is_c_contiguous():
-        raise ValueError(f"gemm_pipelined: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if gated and N % 2:
-        raise ValueError(f"gemm_pipelined: a gated weight is [gate; up], an even number of rows, got {N}")
-    if K % CHUNK:
-        raise ValueError(f"gemm_pipelined: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
-    if planes.dtype != np.uint16 or len(planes.shape) != 1 or planes.shape[0] < p * m * K:
-        raise ValueError(f"gemm_pipelined: planes must be a 1-D uint16 workspace of at least {p * m * K} elements, "
-                         f"got {planes.dtype} {tuple(planes.shape)}")
-    planes_out = out.dtype == np.uint16
-    if out.dtype not in (np.float32, np.uint16) or tuple(out.shape) != ((p * m, cols) if planes_out else (m, cols)):
-        raise ValueError(f"gemm_pipelined: out must be float32 ({m}, {cols}) or its uint16 planes ({p * m}, {cols}), "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    N, K, cols = check_planes_args("gemm_pipelined", planes, m, weight, out, pieces(bf16_inputs), gated)
     if m == 0 or N == 0:
         return None
     tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
@@ -485,7 +493,7 @@ def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bo
             raise ValueError(f"gemm_pipelined: {splits} splits need split_workspace = (float32 partials of >= "
                              f"{need_p}, int32 counters of >= {need_c}, zero)")
         grid, args = (*grid, splits), (*args, partials, counters)
-    kernel = _gemm_kernel(*tile, p, bool(gated), planes_out, splits > 1)
+    kernel = _gemm_kernel(*tile, pieces(bf16_inputs), bool(gated), out.dtype == np.uint16, splits > 1)
     return kernel, grid, args, shared_bytes(tile, bf16_inputs)
 
 

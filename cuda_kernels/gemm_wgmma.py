@@ -51,10 +51,11 @@ from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda impo
 from cuda_kernels import pdl
 from cuda_kernels.activation import silu
 from cuda_kernels.async_copy import CHUNK, cp_async_commit, cp_async_wait, slab_issuer
+from cuda_kernels.gemm_pipelined import check_planes_args
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.primitives import WARP, f32_to_bf16
-from cuda_kernels.wgmma import (TILE_ALIGN, TILE_K, WARPGROUP, fence_async_shared, shared_address, swizzled, wgmma_k64,
+from cuda_kernels.wgmma import (TILE_ALIGN, TILE_K, WARPGROUP, aligned_start, fence_async_shared, swizzled, wgmma_k64,
                                 wgmma_wait)
 from numba import cuda, float32, int64, uint16
 
@@ -157,7 +158,7 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
         cols = N or, gated, N / 2; K the shared dimension."""
         sh = cuda.shared.array(0, uint16)
         M, cols = out.shape[0], out.shape[1]
-        skip = ((TILE_ALIGN - shared_address(sh) % TILE_ALIGN) % TILE_ALIGN) // 2   # stages on 1,024 bytes
+        skip = aligned_start(sh)   # the stages start on 1,024 bytes
         amap = cuda.local.array((A_PER, 3), int64)
         bmap = cuda.local.array((B_PER, 3), int64)
         staging_map(M, cols, K, amap, bmap)
@@ -227,20 +228,7 @@ def gemm_wgmma(plane, m: int, weight, out, stream=0, tile: WgmmaTile | None = No
     its bf16 plane (uint16 (>= m * K,), what gemm_pipelined.bf16_planes writes with bf16_inputs). weight
     (N, K) uint16 C-contiguous, K % 8 == 0; out float32 (m, cols), or uint16 (m, cols) for bf16(result), the
     plane the next GEMM reads (cols = N, or N / 2 gated). tile: SIM_TILE in the simulator, else WgmmaTile()."""
-    N, K = weight.shape
-    cols = N // 2 if gated else N
-    if weight.dtype != np.uint16 or not weight.is_c_contiguous():
-        raise ValueError(f"gemm_wgmma: weight must be C-contiguous uint16 ({N}, {K}), got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if gated and N % 2:
-        raise ValueError(f"gemm_wgmma: a gated weight is [gate; up], an even number of rows, got {N}")
-    if K % CHUNK:
-        raise ValueError(f"gemm_wgmma: K must be a multiple of {CHUNK} (16-byte rows), got {K}")
-    if plane.dtype != np.uint16 or len(plane.shape) != 1 or plane.shape[0] < m * K:
-        raise ValueError(f"gemm_wgmma: plane must be a 1-D uint16 workspace of at least {m * K} elements, got "
-                         f"{plane.dtype} {tuple(plane.shape)}")
-    if out.dtype not in (np.float32, np.uint16) or tuple(out.shape) != (m, cols):
-        raise ValueError(f"gemm_wgmma: out must be float32 or uint16 ({m}, {cols}), got {out.dtype} {tuple(out.shape)}")
+    N, K, cols = check_planes_args("gemm_wgmma", plane, m, weight, out, 1, gated)
     if m == 0 or N == 0:
         return
     tile = WgmmaTile(*tile) if tile else (SIM_TILE if SIMULATOR else WgmmaTile())

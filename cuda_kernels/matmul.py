@@ -39,8 +39,8 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
 - pipelined_plan: gemm_pipelined where the caller gives a planes workspace and M is large enough (with a
   split workspace, every M above gemv's, K split for skinny M: skinny_plan, else pipelined_tile; the split
   workspace's sizes: split_workspace_sizes);
-- uses_wgmma: gemm_wgmma (WGMMA_TILE) instead of gemm_pipelined for bf16 inputs from WGMMA_MIN_M rows on a
-  GPU of compute capability 9.0 (given a planes workspace);
+- uses_wgmma: gemm_wgmma (in the tile of wgmma_tile(M, N)) instead of gemm_pipelined for bf16 inputs from
+  WGMMA_MIN_M rows on a GPU of compute capability 9.0 (given a planes workspace);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -51,9 +51,7 @@ from __future__ import annotations
 import os
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from functools import lru_cache
-
-from cuda_kernels import activation, gemm_pipelined, gemm_wgmma, gemv_tc, rope
+from cuda_kernels import activation, gemm_pipelined, gemm_wgmma, gemv_tc, rope, wgmma
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.gemm_pipelined import PipelinedTile
 from cuda_kernels.gemm_simt import GemmTile, gemm
@@ -246,19 +244,11 @@ def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
             and n * k <= GEMV_TC_MAX_WEIGHT and k % gemv_tc.CHUNK_K == 0)
 
 
-@lru_cache(maxsize=None)
-def _hopper() -> bool:
-    from numba import cuda
-
-    # wgmma exists on sm_90a only (not on later architectures)
-    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
-
-
 def uses_wgmma(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
     """Whether matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemm_wgmma: bf16 inputs, m of
     at least WGMMA_MIN_M, k a multiple of 8, a GPU of compute capability 9.0 (WGMMA_IN_ENGINE: not in the
     simulator). n: the weight's rows (gated: 2F)."""
-    return WGMMA_IN_ENGINE and bf16_inputs and m >= WGMMA_MIN_M and k % 8 == 0 and n > 0 and _hopper()
+    return WGMMA_IN_ENGINE and bf16_inputs and m >= WGMMA_MIN_M and k % 8 == 0 and wgmma.device_has_wgmma()
 
 
 def gemv_tc_config(m: int, n: int, k: int) -> gemv_tc.GemvTcConfig:
@@ -394,8 +384,8 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     H, F = down.shape
     up_tc, down_tc = uses_gemv_tc(M, N, K, bf16_inputs), uses_gemv_tc(M, H, F, bf16_inputs)
     up_wg, down_wg = uses_wgmma(M, N, K, bf16_inputs), uses_wgmma(M, H, F, bf16_inputs)
-    up_plan = not up_tc and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
-    down_plan = not down_tc and pipelined_plan(M, H, F, bf16_inputs, False, split_workspace)
+    up_plan = not (up_tc or up_wg) and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
+    down_plan = not (down_tc or down_wg) and pipelined_plan(M, H, F, bf16_inputs, False, split_workspace)
     if workspace is None or act_planes is None or not (up_tc or up_wg or up_plan) or not (
             down_tc or down_wg or down_plan):
         gated_matmul(x, gate_up, act, scratch, stream, bf16_inputs=bf16_inputs, workspace=workspace,
@@ -457,18 +447,18 @@ def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = Fal
                     config=gemv_tc_config(x.shape[0], weight.shape[0], x.shape[1]), gated=gated)
 
 
-def wgmma_tile(m: int, n: int, gated: bool = False) -> WgmmaTile:
-    """The tile gemm_wgmma uses for x (m, K) @ W (n, K)^T (n: the weight's rows): with more 128 x 128 blocks
-    than one wave, the three-stage tile that fits two blocks per SM; else the four-stage one (H200:
-    docs/performance.md, "gemm_wgmma tiles")."""
-    blocks = -(-m // 128) * -(-(n // 2 if gated else n) // (64 if gated else 128))
+def wgmma_tile(m: int, n: int) -> WgmmaTile:
+    """The tile gemm_wgmma uses for x (m, K) @ W (n, K)^T (n: the weight's rows; gated, 2F, which a block covers
+    128 rows at a time as well): with more 128 x 128 blocks than one wave, the three-stage tile that fits two
+    blocks per SM; else the four-stage one (H200: docs/performance.md, "gemm_wgmma")."""
+    blocks = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
     return WGMMA_TWO_BLOCK_TILE if blocks > WGMMA_ONE_WAVE else WGMMA_TILE
 
 
 def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
     """gemm_wgmma on x's bf16 plane in workspace (converted first unless planes_ready)."""
     gemm_wgmma.gemm_wgmma(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream,
-                          tile=wgmma_tile(x.shape[0], weight.shape[0], gated), gated=gated)
+                          tile=wgmma_tile(x.shape[0], weight.shape[0]), gated=gated)
 
 
 def _rows(scratch, m: int):

@@ -18,7 +18,8 @@ chunk position c ^ (r % 8) of the row:
     element (r, k) of a tile at element offset base  ->  base + 64 r + 8 ((k // 8) ^ (r % 8)) + k % 8
 
 The swizzle spreads the 8 rows of each 1,024-byte group over all 32 banks, so the tensor cores read without
-conflicts; a thread that writes a 16-byte chunk (cp.async) computes its position with ``swizzled``.
+conflicts; a thread that writes a 16-byte chunk (cp.async) computes its position with ``swizzled``, and a
+kernel places its tiles from ``aligned_start(sh)``, the first 1,024-byte boundary of its shared memory.
 The descriptor of a k16 slice: start address >> 4 (bits 0-13), leading byte offset 1 (unused with this
 swizzle, bits 16-29), stride byte offset 1,024 >> 4 = 64 (8 rows to the next 8; bits 32-45), swizzle mode 1
 = 128 bytes (bits 62-63). The slice k = 16 s .. 16 s + 15 starts 32 s bytes into the tile: the hardware
@@ -49,6 +50,7 @@ Two implementations, chosen at import time:
 - Numba's CUDA simulator: an emulation with the same per-thread semantics, reading the swizzled tiles with
   the formula above (products exact in fp32, summed in k order).
 ``wgmma_tile`` launches one warpgroup on one tile: the tests check the primitive, and the layout, with it.
+``device_has_wgmma()`` says whether the current GPU has the instruction (compute capability 9.0 exactly).
 Rules for callers: all 128 threads of a warpgroup call ``mma`` together with the same a and b (the
 warpgroup's), the same number of times.
 """
@@ -59,6 +61,7 @@ import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
+from cuda_kernels.async_copy import shared_address
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.primitives import WARP, bf16_to_f32
 
@@ -69,10 +72,12 @@ _SWIZZLE_ROWS = 8
 _DESC_FIXED = (1 << 16) | ((TILE_ALIGN // 16) << 32) | (1 << 62)   # LBO 1, SBO 1,024 bytes, 128-byte swizzle
 
 
-@cuda.jit(device=True, inline=True)
-def swizzled(r, c):
-    """Element offset, within a tile, of row r's 16-byte chunk c (k = 8c .. 8c + 7)."""
+def _swizzled(r, c):
     return TILE_K * r + 8 * (c ^ (r % _SWIZZLE_ROWS))
+
+
+# Element offset, within a tile, of row r's 16-byte chunk c (k = 8c .. 8c + 7): on the device, and on the host
+swizzled = cuda.jit(device=True, inline=True)(_swizzled)
 
 
 def swizzle_tile(tile: np.ndarray) -> np.ndarray:
@@ -81,17 +86,30 @@ def swizzle_tile(tile: np.ndarray) -> np.ndarray:
     image = np.zeros(rows * TILE_K, np.uint16)
     for r in range(rows):
         for c in range(TILE_K // 8):
-            at = TILE_K * r + 8 * (c ^ (r % _SWIZZLE_ROWS))
+            at = _swizzled(r, c)
             image[at:at + 8] = tile[r, 8 * c:8 * c + 8]
     return image
 
 
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def shared_address(sh):
-        """The simulator's shared arrays have no addresses: offsets count from 0, already aligned."""
-        return uint32(0)
+@cuda.jit(device=True, inline=True)
+def aligned_start(sh):
+    """The element offset in sh (a uint16 shared array) of its first 1,024-byte boundary, where tiles start."""
+    return ((TILE_ALIGN - shared_address(sh) % TILE_ALIGN) % TILE_ALIGN) // 2
 
+
+@lru_cache(maxsize=None)
+def device_has_wgmma() -> bool:
+    """Whether the current GPU runs wgmma: compute capability 9.0 exactly (the instruction is sm_90a's; later
+    architectures do not have it)."""
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+def _check_n(n: int) -> None:
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma: N must be a multiple of 8 in 8 .. 256, got {n}")
+
+
+if SIMULATOR:
     @cuda.jit(device=True)
     def fence_async_shared():
         """No-op in the simulator (the emulation reads shared memory directly)."""
@@ -106,8 +124,7 @@ if SIMULATOR:
 
     @lru_cache(maxsize=None)
     def wgmma_k64(n: int, wait: bool = True):
-        if n % 8 or not 8 <= n <= 256:
-            raise ValueError(f"wgmma: N must be a multiple of 8 in 8 .. 256, got {n}")
+        _check_n(n)
 
         @cuda.jit(device=True)
         def mma(sh, a, b, acc):
@@ -120,8 +137,7 @@ if SIMULATOR:
                     r, c = row + 8 * (q // 2), 8 * j + col + q % 2
                     s = float32(0)
                     for k in range(TILE_K):
-                        ka = a + TILE_K * r + 8 * ((k // 8) ^ (r % 8)) + k % 8
-                        kb = b + TILE_K * c + 8 * ((k // 8) ^ (c % 8)) + k % 8
+                        ka, kb = a + swizzled(r, k // 8) + k % 8, b + swizzled(c, k // 8) + k % 8
                         s += bf16_to_f32(sh[ka]) * bf16_to_f32(sh[kb])
                     acc[4 * j + q] += s
 
@@ -132,27 +148,9 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from cuda_kernels.async_copy import ptx_statement
+    from cuda_kernels.async_copy import ptx_statement, volatile_asm
 
-    _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-
-    def _volatile(fnty, asm, constraints):
-        # NOTE: volatile with a memory clobber: kept in program order with the barriers and shared stores
-        return ir.InlineAsm(fnty, asm, constraints + ",~{memory}" if constraints else "~{memory}", side_effect=True)
-
-    @intrinsic
-    def _shared_address_asm(typingctx, sh):
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
-            return builder.trunc(builder.ptrtoint(shared, _I64), _I32)
-
-        return types.uint32(sh), codegen
-
-    @cuda.jit(device=True, inline=True)
-    def shared_address(sh):
-        """The 32-bit shared-window address of sh[0] (sh: a shared array)."""
-        return _shared_address_asm(sh)
+    _F32, _I64 = ir.FloatType(), ir.IntType(64)
 
     # order this thread's earlier shared-memory writes before later reads by the tensor cores (the async proxy)
     fence_async_shared = ptx_statement("fence.proxy.async.shared::cta;")
@@ -185,7 +183,7 @@ else:
                 slots = [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(regs)]
                 fnty = ir.FunctionType(ir.LiteralStructType([_F32] * regs), [_F32] * regs + [_I64, _I64])
                 constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["l", "l"])
-                out = builder.call(_volatile(fnty, _k64_asm(n, wait), constraints),
+                out = builder.call(volatile_asm(fnty, _k64_asm(n, wait), constraints),
                                    [builder.load(s) for s in slots] + [args[0], args[1]])
                 for i, s in enumerate(slots):
                     builder.store(builder.extract_value(out, i), s)
@@ -201,8 +199,7 @@ else:
 
     @lru_cache(maxsize=None)
     def wgmma_k64(n: int, wait: bool = True):
-        if n % 8 or not 8 <= n <= 256:
-            raise ValueError(f"wgmma: N must be a multiple of 8 in 8 .. 256, got {n}")
+        _check_n(n)
         asm = _k64_intrinsic(n, wait)
 
         @cuda.jit(device=True, inline=True)
@@ -223,7 +220,6 @@ def _tile_kernel(n: int):
     mma = wgmma_k64(n)
     regs = n // 2
     a_elems, b_elems = 64 * TILE_K, n * TILE_K
-    pad = TILE_ALIGN // 2   # room to move the tiles onto a 1,024-byte boundary
 
     @cuda.jit
     def wgmma_tile_kernel(a_image, b_image, slices, d):
@@ -231,7 +227,7 @@ def _tile_kernel(n: int):
         images given one after another in a_image, b_image (uint16)."""
         sh = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
-        skip = ((TILE_ALIGN - shared_address(sh) % TILE_ALIGN) % TILE_ALIGN) // 2
+        skip = aligned_start(sh)
         acc = cuda.local.array(regs, float32)
         for i in range(regs):
             acc[i] = float32(0)
@@ -250,7 +246,7 @@ def _tile_kernel(n: int):
             for q in range(4):
                 d[row + 8 * (q // 2), 8 * j + col + q % 2] = acc[4 * j + q]
 
-    wgmma_tile_kernel.shared = 2 * (a_elems + b_elems) + pad * 2
+    wgmma_tile_kernel.shared = 2 * (a_elems + b_elems) + TILE_ALIGN   # and room to align the tiles
     return wgmma_tile_kernel
 
 

@@ -168,9 +168,9 @@ def install(cuda_home: Path, report: list) -> None:
     from cuda_kernels import pdl
 
     pdl._device_supports = lambda: True  # the griddepcontrol instructions exist on sm_90
-    from cuda_kernels import matmul
+    from cuda_kernels import wgmma
 
-    matmul._hopper = lambda: True        # the target is compute capability 9.0: the engine takes gemm_wgmma
+    wgmma.device_has_wgmma = lambda: True   # the target is compute capability 9.0: the engine takes gemm_wgmma
     cuda.to_device = lambda array, *a, **k: FakeDeviceArray(np.asarray(array))
     cuda.device_array = lambda shape, dtype=np.float64, *a, **k: FakeDeviceArray(np.zeros(shape, dtype))
     cuda.pinned_array = lambda shape, dtype=np.float64, *a, **k: np.zeros(shape, dtype)

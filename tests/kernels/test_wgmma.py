@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_support import SIM, device_empty, dot_tolerance, examples, pick, sizes, to_device
-from numba import cuda
 from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_inputs, stale_out, weight_shapes
 
 from cuda_kernels import gemm_pipelined as gp
@@ -23,8 +22,7 @@ from cuda_kernels import wgmma
 from reference.bf16 import bf16_to_f32, f32_to_bf16
 from reference.matmul import bf16_planes as reference_bf16_planes
 
-pytestmark = pytest.mark.skipif(not SIM and cuda.get_current_device().compute_capability < (9, 0),
-                                reason="wgmma needs compute capability 9.0")
+pytestmark = pytest.mark.skipif(not SIM and not wgmma.device_has_wgmma(), reason="wgmma needs compute capability 9.0")
 seeds = st.integers(0, 2**32 - 1)
 
 
@@ -127,7 +125,7 @@ def test_gemm_wgmma_rejects_bad_arguments():
     plane, dw = plane_of(x), to_device(w)
     with pytest.raises(ValueError, match="multiple of 8"):
         gw.gemm_wgmma(device_empty(4 * 12, np.uint16), 4, to_device(w[:, :12].copy()), stale_out(4, 6))
-    with pytest.raises(ValueError, match="plane must be"):
+    with pytest.raises(ValueError, match="planes must be a 1-D uint16 workspace of at least 64"):
         gw.gemm_wgmma(device_empty(10, np.uint16), 4, dw, stale_out(4, 6))
     with pytest.raises(ValueError, match="out must be"):
         gw.gemm_wgmma(plane, 4, dw, stale_out(4, 5))
@@ -141,7 +139,7 @@ def test_gemm_wgmma_rejects_bad_arguments():
 def test_wgmma_tile_policy():
     """Two blocks per SM where the grid has more than a wave of 128 x 128 blocks, else the four-stage tile; and
     never in the simulator or below WGMMA_MIN_M rows."""
-    assert mm.wgmma_tile(1024, 3072) == mm.wgmma_tile(1024, 16384, gated=True) == mm.WGMMA_TWO_BLOCK_TILE
+    assert mm.wgmma_tile(1024, 3072) == mm.wgmma_tile(1024, 16384) == mm.WGMMA_TWO_BLOCK_TILE
     assert mm.wgmma_tile(1024, 2048) == mm.wgmma_tile(300, 3072) == mm.WGMMA_TILE
     assert mm.wgmma_tile(1056, 2048) == mm.WGMMA_TWO_BLOCK_TILE   # 9 x 16 blocks
     if SIM:
@@ -157,8 +155,8 @@ def test_entry_points_take_gemm_wgmma(monkeypatch):
     calls = []
     kernel = gw.gemm_wgmma
     monkeypatch.setattr(mm, "WGMMA_IN_ENGINE", True)
-    monkeypatch.setattr(mm, "_hopper", lambda: True)
-    monkeypatch.setattr(mm, "wgmma_tile", lambda m, n, gated=False: gw.SIM_TILE if SIM else mm.WGMMA_TILE)
+    monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
+    monkeypatch.setattr(mm, "wgmma_tile", lambda m, n: gw.SIM_TILE if SIM else mm.WGMMA_TILE)
     monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(a[1]) or kernel(*a, **k))
     m, n, f, k = mm.WGMMA_MIN_M, 24, 16, 64
     x, w = make_inputs(1, m, n, k)

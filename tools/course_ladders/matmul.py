@@ -11,11 +11,12 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import gemm_pipelined as gp
-from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemm_simt as simt
 from cuda_kernels import gemm_tc as tc
+from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemv as gv
 from cuda_kernels import matmul as mm
+from cuda_kernels import wgmma
 from reference.bf16 import f32_to_bf16
 from cuda_kernels.compat import SIMULATOR
 from tools.course_ladders.common import FMA_PEAK_TFLOPS, MMA_PEAK_TFLOPS, WGMMA_PEAK_TFLOPS, Step
@@ -85,16 +86,17 @@ def gemm_steps(real: bool) -> list[Step]:
 
         steps.append(Step(f"6 gemm_pipelined {mode}", "x as bf16 planes once; cp.async several slabs ahead",
                           _case("gemm_pipelined", pipelined, ops, tile=tile, bf16_inputs=bf16), peak))
-    if SIMULATOR or tuple(cuda.get_current_device().compute_capability) == (9, 0):   # wgmma is sm_90a's
+    if SIMULATOR or wgmma.device_has_wgmma():
         plane = cuda.device_array(m * k, np.uint16)
         for version, idea, tile in (
                 ("9 gemm_wgmma bf16 inputs", "wgmma: 64 x 128 x 16 per instruction from swizzled shared memory",
                  gw.WgmmaTile(128, 128, 4) if real else gw.SIM_TILE),
                 ("10 gemm_wgmma overlap", "a slab's wgmma run on through the next barrier",
                  mm.wgmma_tile(m, n) if real else gw.SIM_TILE._replace(overlap=True))):
-            def wgmma(x, w, out, stream, tile=tile, plane=plane, bf16_inputs=True):
+            def run_wgmma(x, w, out, stream, tile=tile, plane=plane, bf16_inputs=True):
                 gp.bf16_planes(x, plane, stream, bf16_inputs=True)
                 gw.gemm_wgmma(plane, x.shape[0], w, out, stream, tile=tile)
 
-            steps.append(Step(version, idea, _case("gemm_wgmma", wgmma, ops, bf16_inputs=True), WGMMA_PEAK_TFLOPS))
+            steps.append(Step(version, idea, _case("gemm_wgmma", run_wgmma, ops, bf16_inputs=True),
+                              WGMMA_PEAK_TFLOPS))
     return steps

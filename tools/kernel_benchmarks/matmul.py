@@ -449,7 +449,7 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
             planes = cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
             ptile = mm.pipelined_tile(m, n, k, True)
-            policy = mm.wgmma_tile(m, n, gated)
+            policy = mm.wgmma_tile(m, n)
 
             def pipelined(dx, w_, out_, stream, m=m, tile=ptile, gated=gated):
                 gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated)
