@@ -9,7 +9,8 @@
 #      4 requests/s), then transformers serve on the same card, then the table (OUT_DIR/serve_bench.md).
 # Usage: bash tools/gpu_serve_check.sh OUT_DIR [TINYVLLM_RUNS [HF_RUNS]]
 #   runs are RATE:N lists (tools/serve_benchmark.py); defaults inf:256,4:120,inf:64 and inf:64.
-# Every phase has a time limit, so the whole stays under about 9.5 minutes; results are written as they come.
+# Every phase has a time limit, so the whole stays under about 9.5 minutes (SERVE_CHECK_BUDGET seconds, default
+# 570); results are written as they come.
 # A dry run of the script itself on a machine without a GPU (nothing measured):
 #   SERVE_CHECK_PRESET=tiny SERVE_CHECK_BACKEND=cpu SERVE_CHECK_HF_DEVICE=cpu \
 #   SERVE_CHECK_LENS="--prompt-lens 8 32 --output-lens 4 16" bash tools/gpu_serve_check.sh /tmp/out inf:8,20:6 inf:8
@@ -22,7 +23,7 @@ read -r -a lens <<< "${SERVE_CHECK_LENS:-}"   # default: tools/serve_benchmark.p
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TINYVLLM_TEST_PROFILE=gpu PIP_DISABLE_PIP_VERSION_CHECK=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-budget=570   # seconds for everything; each phase gets what is left, up to its own cap
+budget=${SERVE_CHECK_BUDGET:-570}   # seconds for everything; each phase gets what is left, up to its own cap
 left() { local l=$((budget - SECONDS - $1)); [ "$l" -lt 10 ] && l=10; [ "$l" -gt "$2" ] && l=$2; echo "$l"; }
 
 python3 -c "from cuda_kernels import compat; import numba, numba.cuda as c, numpy; print('numba', numba.__version__, 'numpy', numpy.__version__, 'cuda available', c.is_available())" 2>&1 | tee "$out/env.txt"
