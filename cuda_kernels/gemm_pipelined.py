@@ -31,12 +31,9 @@ every warp is done with slab kt - 1), issues slab kt + STAGES - 1 into the buffe
 multiplies slab kt. One barrier per slab.
 
 Split K (``splits`` > 1, grid z = splits): for a skinny M the tiles alone are too few blocks to stream a
-weight from every SM, so block z of a tile multiplies only its share of the slabs, ceil(slabs / splits)
-consecutive ones. Each block stores its accumulators in a partials workspace (thread-major, so the stores
-coalesce), fences, and counts itself in by an atomic add on its tile's counter; the block that counts last
-resets the counter (for the next launch), adds the splits' partials in split order 0, 1, ... (so the sum does
-not depend on which block came last: the result is deterministic) and runs the epilogue. The partials are
-read through L2 (primitives.load_l2): other SMs wrote them.
+weight from every SM, so block z of a tile multiplies only its share of the slabs and the blocks of a tile
+meet as cuda_kernels/split_k.py says (the last to arrive adds the splits' partials in split order and runs
+the epilogue: deterministic).
 
 Programmatic dependent launch: the weight chunks of the first STAGES - 1 slabs are issued before
 pdl.grid_wait (weights are never written), so they are in flight while the kernel before finishes; x's chunks
@@ -81,14 +78,16 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels.activation import silu
-from numba import cuda, float32, int32, int64, uint16, uint32
+from numba import cuda, float32, int64, uint16, uint32
 
 from cuda_kernels.async_copy import CHUNK, cp_async_commit, cp_async_wait, ldmatrix_x4, slab_issuer
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
 from cuda_kernels import pdl
-from cuda_kernels.primitives import WARP, f32_to_bf16, load_l2
+from cuda_kernels.primitives import WARP, f32_to_bf16
+from cuda_kernels import split_k as split
+from cuda_kernels.split_k import check_split_args, meeting, split_range
 
 
 class PipelinedTile(NamedTuple):
@@ -174,7 +173,6 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
     STAGE = (A_ROWS + bn) * LD    # bf16 per stage
     MI, NJ, S = wm // 16, wn // 8, bk // 16
     ACC = MI * NJ * 4             # accumulators per thread: a tile's partial sums are ACC * THREADS = bm * bn
-    RED = max(1, 64 // ACC)       # splits whose partials a thread loads at once when it adds them
     HALF_WN = wn // 2             # gated: features per warp (its gate rows, then its up rows)
     P_OUT = P if planes_out else 1  # row blocks of out: one per plane
     wait_for_slab = cp_async_wait(stages - 2)
@@ -228,6 +226,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
             bmap[e, 2] = CHUNK * q
 
     issue = slab_issuer(bk)
+    meet = meeting(ACC, THREADS)
 
     @cuda.jit(device=True, inline=True)
     def gemm_body(planes, w, out, K, partials, counters):
@@ -239,12 +238,10 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
         amap = cuda.local.array((A_PER, 3), int64)
         bmap = cuda.local.array((B_PER, 3), int64)
         staging_map(out, K, amap, bmap)
-        acc = cuda.local.array((MI, NJ, 4), float32)
+        acc = cuda.local.array(ACC, float32)   # acc[(i * NJ + j) * 4 + c]: mma tile (i, j), register c
         bf = cuda.local.array((NJ, 2), uint32)
-        for i in range(MI):
-            for j in range(NJ):
-                for c in range(4):
-                    acc[i, j, c] = float32(0)
+        for e in range(ACC):
+            acc[e] = float32(0)
         # this lane's ldmatrix rows (module docstring): A row l % 16 at k + 8 (l // 16); B row (l % 8) +
         # 8 (l // 16) at k + 8 ((l // 8) % 2)
         a_lane = (lane % 16) * LD + 8 * (lane // 16)
@@ -254,9 +251,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
         slabs = (K + bk - 1) // bk
         first, count = 0, slabs
         if split_k:
-            per = (slabs + cuda.gridDim.z - 1) // cuda.gridDim.z
-            first = cuda.blockIdx.z * per
-            count = min(slabs - first, per)
+            first, count = split_range(slabs)
         # Prologue: the weight chunks of the first STAGES - 1 slabs go out before the PDL wait (weights are
         # never written), x's after it; one cp.async group each, so that slab s has landed once the first
         # STAGES + s groups have (what wait_for_slab checks at iteration s, below).
@@ -287,53 +282,14 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                     for i in range(MI):
                         a0, a1, a2, a3 = ldmatrix_x4(sh, base + (p * bm + wm0 + 16 * i) * LD + 16 * s + a_lane)
                         for j in range(NJ):
-                            acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_m16n8k16(
-                                a0, a1, a2, a3, bf[j, 0], bf[j, 1],
-                                acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+                            e = (i * NJ + j) * 4
+                            acc[e], acc[e + 1], acc[e + 2], acc[e + 3] = mma_bf16_m16n8k16(
+                                a0, a1, a2, a3, bf[j, 0], bf[j, 1], acc[e], acc[e + 1], acc[e + 2], acc[e + 3])
         pdl.launch_dependents()
 
         if split_k:
-            if cuda.gridDim.z > 1:
-                # Every block of the tile stores its partial sums; the last to arrive adds all of them in split
-                # order (so the result does not depend on which block that is) and runs the epilogue.
-                tile_id = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.y
-                splits = cuda.gridDim.z
-                tid = cuda.threadIdx.x
-                mine = (tile_id * splits + cuda.blockIdx.z) * ACC * THREADS + tid
-                for i in range(MI):
-                    for j in range(NJ):
-                        for c in range(4):
-                            partials[mine + ((i * NJ + j) * 4 + c) * THREADS] = acc[i, j, c]
-                cuda.threadfence()   # the partials are visible device-wide before the count says so
-                last = cuda.shared.array(1, int32)
-                cuda.syncthreads()
-                if tid == 0:
-                    last[0] = cuda.atomic.add(counters, tile_id, 1) == splits - 1
-                cuda.syncthreads()
-                if last[0] == 0:
-                    return
-                if tid == 0:
-                    counters[tile_id] = 0   # every split has arrived: ready for the next launch
-                cuda.threadfence()
-                for i in range(MI):
-                    for j in range(NJ):
-                        for c in range(4):
-                            acc[i, j, c] = float32(0)
-                # NOTE: the partials of RED splits are loaded before any is added: independent loads in flight
-                # together, so the sum costs splits / RED L2 round trips, not one per split
-                batch = cuda.local.array((RED, ACC), float32)
-                for z0 in range(0, splits, RED):
-                    for r in range(RED):
-                        if z0 + r < splits:
-                            theirs = (tile_id * splits + z0 + r) * ACC * THREADS + tid
-                            for e in range(ACC):
-                                batch[r, e] = load_l2(partials, theirs + e * THREADS)
-                    for r in range(RED):
-                        if z0 + r < splits:
-                            for i in range(MI):
-                                for j in range(NJ):
-                                    for c in range(4):
-                                        acc[i, j, c] += batch[r, (i * NJ + j) * 4 + c]
+            if cuda.gridDim.z > 1 and not meet(acc, partials, counters):
+                return   # another block of the tile adds the splits and stores the result
 
         m_base = cuda.blockIdx.x * bm + wm0 + lane // 4
         M = out.shape[0] // P_OUT
@@ -346,7 +302,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                         m = m_base + 16 * i + 8 * (c // 2)
                         f = f_base + 8 * j + c % 2
                         if m < M and f < out.shape[1]:
-                            store(out, m, f, silu(acc[i, j, c]) * acc[i, j + NJ // 2, c])
+                            store(out, m, f, silu(acc[(i * NJ + j) * 4 + c]) * acc[(i * NJ + j + NJ // 2) * 4 + c])
         else:
             n_base = cuda.blockIdx.y * bn + wn0 + 2 * (lane % 4)
             for i in range(MI):
@@ -355,7 +311,7 @@ def _gemm_kernel(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_b
                         m = m_base + 16 * i + 8 * (c // 2)
                         n = n_base + 8 * j + c % 2
                         if m < M and n < out.shape[1]:
-                            store(out, m, n, acc[i, j, c])
+                            store(out, m, n, acc[(i * NJ + j) * 4 + c])
 
     if split_k:
         @cuda.jit(**options)
@@ -444,7 +400,7 @@ def split_counters_size(tile: PipelinedTile, m: int, n: int, gated: bool = False
 
 def split_partials_size(tile: PipelinedTile, m: int, n: int, splits: int, gated: bool = False) -> int:
     """float32 partial sums a split launch needs: every split's BM x BN accumulators of every tile."""
-    return split_counters_size(tile, m, n, gated) * splits * tile.bm * tile.bn
+    return split.partials_size(split_counters_size(tile, m, n, gated), splits, tile.bm, tile.bn)
 
 
 def check_planes_args(kernel: str, planes, m: int, weight, out, p: int, gated: bool) -> tuple[int, int, int]:
@@ -481,24 +437,15 @@ def _gemm_launch(planes, m: int, weight, out, tile, bf16_inputs: bool, gated: bo
     tile = PipelinedTile(*tile) if tile else (SIM_TILE if SIMULATOR else PipelinedTile())
     grid = _grid(tile, m, cols, gated)
     args = (planes, view(weight, (N * K,)), out, np.int64(K))
-    slabs = _cdiv(K, tile.bk)
-    if not 1 <= splits <= slabs or (splits - 1) * _cdiv(slabs, splits) >= slabs:
-        raise ValueError(f"gemm_pipelined: {splits} splits of {slabs} slabs of {tile.bk} would leave a split "
-                         f"empty (see valid_splits)")
-    if splits > 1:
-        partials, counters = split_workspace if split_workspace is not None else (None, None)
-        need_p, need_c = split_partials_size(tile, m, N, splits, gated), split_counters_size(tile, m, N, gated)
-        if (partials is None or partials.dtype != np.float32 or len(partials.shape) != 1 or partials.shape[0] < need_p
-                or counters.dtype != np.int32 or len(counters.shape) != 1 or counters.shape[0] < need_c):
-            raise ValueError(f"gemm_pipelined: {splits} splits need split_workspace = (float32 partials of >= "
-                             f"{need_p}, int32 counters of >= {need_c}, zero)")
-        grid, args = (*grid, splits), (*args, partials, counters)
+    tiles = split_counters_size(tile, m, N, gated)
+    split_args = check_split_args("gemm_pipelined", splits, _cdiv(K, tile.bk), tile.bk, split_workspace,
+                                  tiles, tile.bm * tile.bn)
+    if split_args:
+        grid, args = (*grid, splits), (*args, *split_args)
     kernel = _gemm_kernel(*tile, pieces(bf16_inputs), bool(gated), out.dtype == np.uint16, splits > 1)
     return kernel, grid, args, shared_bytes(tile, bf16_inputs)
 
 
 def valid_splits(tile: PipelinedTile, k: int) -> list[int]:
-    """The split counts of K's slabs that leave no split empty (each split takes ceil(slabs / splits) slabs,
-    the last what is left): 1 .. slabs, except counts like 3 splits of 4 slabs (2 + 2 + 0)."""
-    slabs = _cdiv(k, tile.bk)
-    return [s for s in range(1, slabs + 1) if (s - 1) * _cdiv(slabs, s) < slabs]
+    """The split counts of K's slabs of BK that leave no split empty (split_k.valid_splits)."""
+    return split.valid_splits(_cdiv(k, tile.bk))

@@ -37,7 +37,9 @@ Versions (continuing matmul.py's list): 9. this kernel, one synchronous wgmma gr
 for a slab's products before the next barrier). 10. ``overlap``: the products of slab kt are issued and left
 running (wgmma.wait_group 1 waits only for slab kt - 1's), so the tensor cores work through the barrier and
 the copies of the next slab; the copies then run STAGES - 2 slabs ahead, since slab kt - 1's buffer may still
-be in use.
+be in use. 11. ``splits`` > 1 (grid z = splits): for decode batches, whose few output tiles leave most SMs
+idle, block z of a tile multiplies only its share of the K slabs and the blocks of a tile meet as
+cuda_kernels/split_k.py says (the last adds the partials in split order and runs the epilogue).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from cuda_kernels.gemm_pipelined import check_planes_args
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.primitives import WARP, f32_to_bf16
+from cuda_kernels import split_k as split
+from cuda_kernels.split_k import check_split_args, meeting, split_range
 from cuda_kernels.wgmma import (TILE_ALIGN, TILE_K, WARPGROUP, aligned_start, fence_async_shared, swizzled, wgmma_k64,
                                 wgmma_wait)
 from numba import cuda, float32, int64, uint16
@@ -90,8 +94,9 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, gated: bool = False,
-                 planes_out: bool = False):
-    """The kernel for one tile and epilogue (see the module docstring for the mapping)."""
+                 planes_out: bool = False, split_k: bool = False):
+    """The kernel for one tile and epilogue (see the module docstring for the mapping); split_k: K is split over
+    gridDim.z blocks per tile, which meet through a partials workspace (cuda_kernels/split_k.py)."""
     tile = WgmmaTile(bm, bn, stages, min_blocks, overlap)
     if bm % 64 or bn % (16 if gated else 8) or not 8 <= bn <= 256 or stages < 2 + overlap or min_blocks < 0:
         raise ValueError(f"gemm_wgmma tile {tuple(tile)}: need BM a multiple of 64, BN a multiple of 8 (16 gated) "
@@ -152,10 +157,10 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
         else:
             out[m, n] = v
 
-    @cuda.jit(**options)
-    def gemm_wgmma_kernel(plane, w, out, K):
-        """plane (>= M * K,) u16 flat: bf16(x); w (N * K,) u16 flat; out (M, cols) f32 or, planes_out, u16;
-        cols = N or, gated, N / 2; K the shared dimension."""
+    meet = meeting(ACC, THREADS)
+
+    @cuda.jit(device=True, inline=True)
+    def gemm_body(plane, w, out, K, partials, counters):
         sh = cuda.shared.array(0, uint16)
         M, cols = out.shape[0], out.shape[1]
         skip = aligned_start(sh)   # the stages start on 1,024 bytes
@@ -166,17 +171,20 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
         for i in range(ACC):
             acc[i] = float32(0)
         group = cuda.threadIdx.x // WARPGROUP
-        count = (K + TILE_K - 1) // TILE_K
+        # this block's slabs: all of K, or with split_k its share (the launcher leaves no share empty)
+        first, count = 0, (K + TILE_K - 1) // TILE_K
+        if split_k:
+            first, count = split_range(count)
         # Prologue: W's chunks of the first AHEAD slabs before the PDL wait, x's after; one cp.async group per
         # slab, so that slab s has landed once AHEAD + 1 + s groups have (wait_for_slab at iteration s).
         for s in range(AHEAD):
             if s < count:
-                issue(w, sh, skip + s * STAGE, s * TILE_K, K, B_PER, bmap)
+                issue(w, sh, skip + s * STAGE, (first + s) * TILE_K, K, B_PER, bmap)
             cp_async_commit()
         pdl.grid_wait()
         for s in range(AHEAD):
             if s < count:
-                issue(plane, sh, skip + s * STAGE, s * TILE_K, K, A_PER, amap)
+                issue(plane, sh, skip + s * STAGE, (first + s) * TILE_K, K, A_PER, amap)
             cp_async_commit()
         for it in range(count):
             wait_for_slab()
@@ -187,8 +195,8 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
             nxt = it + AHEAD
             if nxt < count:
                 base = skip + (nxt % stages) * STAGE
-                issue(w, sh, base, nxt * TILE_K, K, B_PER, bmap)
-                issue(plane, sh, base, nxt * TILE_K, K, A_PER, amap)
+                issue(w, sh, base, (first + nxt) * TILE_K, K, B_PER, bmap)
+                issue(plane, sh, base, (first + nxt) * TILE_K, K, A_PER, amap)
             cp_async_commit()    # (an empty group past the end keeps the count that wait_for_slab expects)
             base = skip + (it % stages) * STAGE
             mma(sh, base + group * 64 * TILE_K, base + A_ELEMS, acc)
@@ -197,6 +205,9 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
         if overlap:
             wait_all()
         pdl.launch_dependents()
+        if split_k:
+            if cuda.gridDim.z > 1 and not meet(acc, partials, counters):
+                return   # another block of the tile adds the splits and stores the result
 
         lane = cuda.threadIdx.x % WARP
         m_base = cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4
@@ -215,6 +226,19 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
                     if m < M and n < cols:
                         store(out, m, n, acc[4 * j + q])
 
+    if split_k:
+        @cuda.jit(**options)
+        def gemm_wgmma_kernel(plane, w, out, K, partials, counters):
+            """plane (>= M * K,) u16 flat: bf16(x); w (N * K,) u16 flat; out (M, cols) f32 or, planes_out, u16;
+            cols = N or, gated, N / 2; K the shared dimension; partials (>= tiles * gridDim.z * BM * BN,) f32
+            and counters (>= tiles,) int32, all zero between launches."""
+            gemm_body(plane, w, out, K, partials, counters)
+    else:
+        @cuda.jit(**options)
+        def gemm_wgmma_kernel(plane, w, out, K):
+            """As above, each block over the whole K."""
+            gemm_body(plane, w, out, K, out, out)   # (no partials: the split-K branch is compiled out)
+
     gemm_wgmma_kernel.threads = THREADS
     return gemm_wgmma_kernel
 
@@ -223,16 +247,40 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
 # launchers
 # ---------------------------------------------------------------------------------------------------------
 
-def gemm_wgmma(plane, m: int, weight, out, stream=0, tile: WgmmaTile | None = None, gated: bool = False):
+def gemm_wgmma(plane, m: int, weight, out, stream=0, tile: WgmmaTile | None = None, gated: bool = False,
+               splits: int = 1, split_workspace=None):
     """out = x @ W^T (gated: out = silu(x @ gate^T) * (x @ up^T) for W = [gate; up]) for an x (m, K) given as
     its bf16 plane (uint16 (>= m * K,), what gemm_pipelined.bf16_planes writes with bf16_inputs). weight
     (N, K) uint16 C-contiguous, K % 8 == 0; out float32 (m, cols), or uint16 (m, cols) for bf16(result), the
-    plane the next GEMM reads (cols = N, or N / 2 gated). tile: SIM_TILE in the simulator, else WgmmaTile()."""
+    plane the next GEMM reads (cols = N, or N / 2 gated). tile: SIM_TILE in the simulator, else WgmmaTile().
+    splits > 1: K's 64-deep slabs split over that many blocks per output tile (version 11: a decode batch
+    leaves too few tiles to stream the weight from every SM); split_workspace = (partials, counters): float32
+    (>= split_partials_size(...),) and int32 (>= tiles(...),), the counters zero (each launch leaves them so)."""
     N, K, cols = check_planes_args("gemm_wgmma", plane, m, weight, out, 1, gated)
     if m == 0 or N == 0:
         return
     tile = WgmmaTile(*tile) if tile else (SIM_TILE if SIMULATOR else WgmmaTile())
-    kernel = _gemm_kernel(*tile, gated=bool(gated), planes_out=out.dtype == np.uint16)
     grid = _cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn)
-    launch(kernel, grid, kernel.threads, stream, plane, view(weight, (N * K,)), out, np.int64(K),
-           shared=shared_bytes(tile), dependent=True)
+    args = (plane, view(weight, (N * K,)), out, np.int64(K))
+    split_args = check_split_args("gemm_wgmma", splits, _cdiv(K, TILE_K), TILE_K, split_workspace, grid[0] * grid[1],
+                                  tile.bm * tile.bn)
+    if split_args:
+        grid, args = (*grid, splits), (*args, *split_args)
+    kernel = _gemm_kernel(*tile, gated=bool(gated), planes_out=out.dtype == np.uint16, split_k=splits > 1)
+    launch(kernel, grid, kernel.threads, stream, *args, shared=shared_bytes(tile), dependent=True)
+
+
+def tiles(tile: WgmmaTile, m: int, n: int) -> int:
+    """Output tiles (blocks per split) of x (m, K) @ W (n, K)^T; a split launch needs an int32 counter for each.
+    n: the weight's rows (gated: 2F, which a block covers BN rows at a time as well)."""
+    return _cdiv(m, tile.bm) * _cdiv(n, tile.bn)
+
+
+def split_partials_size(tile: WgmmaTile, m: int, n: int, splits: int) -> int:
+    """float32 partial sums a split launch needs: every split's BM x BN accumulators of every tile."""
+    return split.partials_size(tiles(tile, m, n), splits, tile.bm, tile.bn)
+
+
+def valid_splits(k: int) -> list[int]:
+    """The split counts of K's 64-deep slabs that leave no split empty (split_k.valid_splits)."""
+    return split.valid_splits(_cdiv(k, TILE_K))

@@ -29,7 +29,7 @@ The kernels, each file a ladder from its simplest correct version to the one the
    rows; gated and planes-out epilogues (mlp).
 9. gemm_wgmma.gemm_wgmma (compute capability 9.0): the pipelined GEMM's cp.async staging, into swizzled
    shared memory, with the products on warpgroup tensor cores (wgmma); bf16 inputs, prefill sizes; gated and
-   planes-out epilogues (mlp).
+   planes-out epilogues (mlp); its version 11 splits K over blocks for the larger decode batches.
 
 The policies (pure functions of the shape, so a captured CUDA graph stays valid):
 - uses_gemv: gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or more), with the
@@ -39,8 +39,9 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
 - pipelined_plan: gemm_pipelined where the caller gives a planes workspace and M is large enough (with a
   split workspace, every M above gemv's, K split for skinny M: skinny_plan, else pipelined_tile; the split
   workspace's sizes: split_workspace_sizes);
-- uses_wgmma: gemm_wgmma (in the tile of wgmma_tile(M, N)) instead of gemm_pipelined for bf16 inputs from
-  WGMMA_MIN_M rows on a GPU of compute capability 9.0 (given a planes workspace);
+- wgmma_plan: gemm_wgmma instead of gemm_pipelined for bf16 inputs on a GPU of compute capability 9.0 (given
+  a planes workspace): from WGMMA_MIN_M rows in the tile of wgmma_tile(M, N), and with a split workspace from
+  WGMMA_SPLIT_MIN_M rows with K split over blocks (wgmma_split_plan);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -160,6 +161,15 @@ WGMMA_TILE = WgmmaTile(128, 128, 4, overlap=True)
 WGMMA_TWO_BLOCK_TILE = WgmmaTile(128, 128, 3, 2, overlap=True)   # two blocks per SM: for grids above a wave
 WGMMA_ONE_WAVE = 132
 WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "1") != "0"
+# gemm_wgmma with K split over blocks (version 11) for decode batches from WGMMA_SPLIT_MIN_M rows up to
+# WGMMA_MIN_M - 1, given a split workspace, in the tile of WGMMA_SPLIT_TILES for M (the first whose rows cover
+# it) and about a block per SM (wgmma_split_plan). NOTE: off until it is timed against the kernels it would
+# replace on the GPU (TINYVLLM_WGMMA_SPLIT=1 turns it on).
+# NOTE: WGMMA_SPLIT_MIN_M is one more than a class boundary of the warm-up (8, 16, 32, 64, 128 or a multiple of
+# 64: tinyvllm/warmup.py), so that every class of M takes one kernel.
+WGMMA_SPLIT_MIN_M = 129
+WGMMA_SPLIT_TILES = {64: WgmmaTile(64, 128, 4, overlap=True), WGMMA_MIN_M - 1: WGMMA_TILE}
+WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -244,11 +254,31 @@ def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
             and n * k <= GEMV_TC_MAX_WEIGHT and k % gemv_tc.CHUNK_K == 0)
 
 
-def uses_wgmma(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
-    """Whether matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemm_wgmma: bf16 inputs, m of
-    at least WGMMA_MIN_M, k a multiple of 8, a GPU of compute capability 9.0 (WGMMA_IN_ENGINE: not in the
-    simulator). n: the weight's rows (gated: 2F)."""
-    return WGMMA_IN_ENGINE and bf16_inputs and m >= WGMMA_MIN_M and k % 8 == 0 and wgmma.device_has_wgmma()
+def wgmma_plan(m: int, n: int, k: int, bf16_inputs: bool, split_workspace=None) -> tuple[WgmmaTile, int] | None:
+    """(tile, splits) when matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemm_wgmma, else None:
+    bf16 inputs, k a multiple of 8, a GPU of compute capability 9.0 (WGMMA_IN_ENGINE: not in the simulator);
+    from WGMMA_MIN_M rows wgmma_tile(m, n) over the whole K, and with a split workspace from WGMMA_SPLIT_MIN_M
+    rows wgmma_split_plan (WGMMA_SPLIT_IN_ENGINE). n: the weight's rows (gated: 2F)."""
+    if not (WGMMA_IN_ENGINE and bf16_inputs and k % 8 == 0 and m >= min(WGMMA_MIN_M, WGMMA_SPLIT_MIN_M)
+            and wgmma.device_has_wgmma()):
+        return None
+    if m >= WGMMA_MIN_M:
+        return wgmma_tile(m, n), 1
+    if split_workspace is not None and WGMMA_SPLIT_IN_ENGINE:
+        return wgmma_split_plan(m, n, k)
+    return None
+
+
+def wgmma_split_plan(m: int, n: int, k: int, tile: WgmmaTile | None = None) -> tuple[WgmmaTile, int]:
+    """(tile, splits) of gemm_wgmma for a decode batch x (m < WGMMA_MIN_M, k) @ W (n, k)^T: the first tile of
+    WGMMA_SPLIT_TILES whose rows cover m (or `tile`), K's 64-deep slabs split for about one block per SM
+    (split_count); where WGMMA_TILE's grid needs no split, wgmma_tile's choice for the grid (two blocks per SM
+    above a wave, as at prefill). n: the weight's rows (gated: 2F)."""
+    chosen = tile or next(t for rows, t in WGMMA_SPLIT_TILES.items() if m <= rows)
+    splits = split_count(gemm_wgmma.tiles(chosen, m, n), -(-k // wgmma.TILE_K))
+    if tile is None and splits == 1 and chosen == WGMMA_TILE:
+        return wgmma_tile(m, n), 1
+    return chosen, splits
 
 
 def gemv_tc_config(m: int, n: int, k: int) -> gemv_tc.GemvTcConfig:
@@ -262,7 +292,7 @@ def gemv_tc_config(m: int, n: int, k: int) -> gemv_tc.GemvTcConfig:
 def reads_planes(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False, split_workspace=None) -> bool:
     """Whether the engine's matmul of x (m, k) by W (n, k) reads x's bf16 planes (gemv_tc or gemm_pipelined, given
     a planes workspace), so that the kernel producing x may write them (rmsnorm's planes output)."""
-    return (uses_gemv_tc(m, n, k, bf16_inputs) or uses_wgmma(m, n, k, bf16_inputs)
+    return (uses_gemv_tc(m, n, k, bf16_inputs) or bool(wgmma_plan(m, n, k, bf16_inputs, split_workspace))
             or bool(pipelined_plan(m, n, k, bf16_inputs, gated, split_workspace)))
 
 
@@ -314,26 +344,31 @@ def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
     "What limits each figure")."""
     rows = next(b for b in PIPELINED_SKINNY_TILES if b >= min(m, PIPELINED_SKINNY_MAX_M))
     tile = tile or PIPELINED_SKINNY_TILES[rows]
-    tiles = gemm_pipelined.split_counters_size(tile, m, n, gated)
-    slabs = -(-k // tile.bk)
+    return tile, split_count(gemm_pipelined.split_counters_size(tile, m, n, gated), -(-k // tile.bk))
+
+
+def split_count(tiles: int, slabs: int) -> int:
+    """K splits for a grid of `tiles` output tiles over `slabs` K slabs: about one block per SM, round(SM_COUNT /
+    tiles), at least 1, each split at least MIN_SPLIT_SLABS slabs long, none empty."""
     splits = max(1, min(round(SM_COUNT / tiles), slabs // MIN_SPLIT_SLABS))
     while (splits - 1) * -(-slabs // splits) >= slabs:   # no empty split
         splits -= 1
-    return tile, splits
+    return splits
 
 
 def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
-    """(float32 partials, int32 counters) that every skinny plan of x (m <= PIPELINED_SKINNY_MAX_M, K) @ W^T
-    needs, for weights given as (n, k, gated) (the runner allocates them once; matmul(..., split_workspace=));
-    the largest plan of a tile is the one at M = its BM."""
-    partials = counters = 1
-    for n, k, gated in weights:
-        for m in PIPELINED_SKINNY_TILES:
-            tile, splits = skinny_plan(m, n, k, bf16_inputs, gated)
-            if splits > 1:
-                partials = max(partials, gemm_pipelined.split_partials_size(tile, m, n, splits, gated))
-                counters = max(counters, gemm_pipelined.split_counters_size(tile, m, n, gated))
-    return partials, counters
+    """(float32 partials, int32 counters) that every split plan of x (m, K) @ W^T needs, for weights given as
+    (n, k, gated) (the runner allocates them once; matmul(..., split_workspace=)): the skinny plans of
+    gemm_pipelined up to PIPELINED_SKINNY_MAX_M rows and, with bf16 inputs, gemm_wgmma's split plans from
+    WGMMA_SPLIT_MIN_M rows (wherever they may run: the sizes do not ask the GPU)."""
+    plans = [(gemm_pipelined.split_partials_size(t, m, n, s, gated), gemm_pipelined.split_counters_size(t, m, n, gated))
+             for n, k, gated in weights for m in PIPELINED_SKINNY_TILES
+             for t, s in [skinny_plan(m, n, k, bf16_inputs, gated)] if s > 1]
+    if bf16_inputs:
+        plans += [(gemm_wgmma.split_partials_size(t, m, n, s), gemm_wgmma.tiles(t, m, n))
+                  for n, k, _ in weights for m in range(WGMMA_SPLIT_MIN_M, WGMMA_MIN_M)
+                  for t, s in [wgmma_split_plan(m, n, k)] if s > 1]
+    return max([1] + [p for p, _ in plans]), max([1] + [c for _, c in plans])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -353,13 +388,14 @@ def gated_matmul(x, weight, out, scratch, stream=0, bf16_inputs: bool = False, w
     (M, 2F) float32) and activation.silu_and_mul. planes_ready: as matmul's. Twin: reference.matmul.gated_matmul."""
     (M, K), N = x.shape, weight.shape[0]
     plan = workspace is not None and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
+    wg_plan = workspace is not None and wgmma_plan(M, N, K, bf16_inputs, split_workspace)
     if uses_gemv(M, N):
         gemv(x, weight, out, stream, config=_gemv_pick(x, weight), bf16_inputs=bf16_inputs, gated=True)
     elif workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
         _tc(x, weight, out, workspace, stream, planes_ready, gated=True)
-    elif workspace is not None and uses_wgmma(M, N, K, bf16_inputs):
+    elif wg_plan:
         check_args(x, weight, out, gated=True)
-        _wgmma(x, weight, out, workspace, stream, planes_ready, gated=True)
+        _wgmma(x, weight, out, workspace, stream, planes_ready, wg_plan, split_workspace, gated=True)
     elif plan:
         check_args(x, weight, out, gated=True)
         gemm_pipelined.gemm_pipelined(x, weight, out, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
@@ -383,7 +419,8 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     M, N, K = check_args(x, gate_up, None)
     H, F = down.shape
     up_tc, down_tc = uses_gemv_tc(M, N, K, bf16_inputs), uses_gemv_tc(M, H, F, bf16_inputs)
-    up_wg, down_wg = uses_wgmma(M, N, K, bf16_inputs), uses_wgmma(M, H, F, bf16_inputs)
+    up_wg, down_wg = (not up_tc and wgmma_plan(M, N, K, bf16_inputs, split_workspace),
+                      not down_tc and wgmma_plan(M, H, F, bf16_inputs, split_workspace))
     up_plan = not (up_tc or up_wg) and pipelined_plan(M, N, K, bf16_inputs, True, split_workspace)
     down_plan = not (down_tc or down_wg) and pipelined_plan(M, H, F, bf16_inputs, False, split_workspace)
     if workspace is None or act_planes is None or not (up_tc or up_wg or up_plan) or not (
@@ -395,7 +432,7 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     if up_tc:
         _tc(x, gate_up, act_planes, workspace, stream, planes_ready, gated=True)
     elif up_wg:
-        _wgmma(x, gate_up, act_planes, workspace, stream, planes_ready, gated=True)
+        _wgmma(x, gate_up, act_planes, workspace, stream, planes_ready, up_wg, split_workspace, gated=True)
     else:
         gemm_pipelined.gemm_pipelined(x, gate_up, act_planes, workspace, stream, bf16_inputs=bf16_inputs, gated=True,
                                       tile=up_plan[0], splits=up_plan[1], split_workspace=split_workspace,
@@ -403,7 +440,8 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     if down_tc:
         gemv_tc.gemv_tc(act_planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
     elif down_wg:
-        gemm_wgmma.gemm_wgmma(view(act_planes, (M * F,)), M, down, out, stream, tile=wgmma_tile(M, H))
+        gemm_wgmma.gemm_wgmma(view(act_planes, (M * F,)), M, down, out, stream, tile=down_wg[0], splits=down_wg[1],
+                              split_workspace=split_workspace)
     else:
         planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_plan[0],
@@ -455,10 +493,11 @@ def wgmma_tile(m: int, n: int) -> WgmmaTile:
     return WGMMA_TWO_BLOCK_TILE if blocks > WGMMA_ONE_WAVE else WGMMA_TILE
 
 
-def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = False):
-    """gemm_wgmma on x's bf16 plane in workspace (converted first unless planes_ready)."""
+def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, plan, split_workspace, gated: bool = False):
+    """gemm_wgmma in `plan` (wgmma_plan's (tile, splits)) on x's bf16 plane in workspace (converted first unless
+    planes_ready)."""
     gemm_wgmma.gemm_wgmma(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream,
-                          tile=wgmma_tile(x.shape[0], weight.shape[0]), gated=gated)
+                          tile=plan[0], gated=gated, splits=plan[1], split_workspace=split_workspace)
 
 
 def _rows(scratch, m: int):
@@ -488,8 +527,9 @@ def matmul(x, weight, out, stream=0, bf16_inputs: bool = False, workspace=None, 
     if workspace is not None and uses_gemv_tc(M, N, K, bf16_inputs):
         _tc(x, weight, out, workspace, stream, planes_ready)
         return
-    if workspace is not None and uses_wgmma(M, N, K, bf16_inputs):
-        _wgmma(x, weight, out, workspace, stream, planes_ready)
+    wg_plan = workspace is not None and wgmma_plan(M, N, K, bf16_inputs, split_workspace)
+    if wg_plan:
+        _wgmma(x, weight, out, workspace, stream, planes_ready, wg_plan, split_workspace)
         return
     if SIMULATOR:
         gemm(x, weight, out, stream, tile=GEMM_TILE, bf16_inputs=bf16_inputs)

@@ -9,7 +9,7 @@ the simulator can still fail to compile for the device (a libdevice function tha
 intrinsic with a wrong signature), or compile into register spills. This tool finds those on any machine
 that has the CUDA toolkit's compiler parts (NVVM with libdevice, and ptxas): it builds a one-layer
 Llama-3.2-1B-shaped CUDA runner on fake device arrays and runs a sampled prefill step and greedy decode
-steps at batch 1, 8, 16, 64 and 128 with every launch intercepted. Each kernel is compiled by Numba to PTX for compute
+steps at batch 1, 8, 16, 64, 128 and 256 with every launch intercepted. Each kernel is compiled by Numba to PTX for compute
 capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
 registers, spills and shared memory per kernel is printed. Nothing executes, so nothing is checked for
 correctness: that is what the GPU test profile is for.
@@ -209,7 +209,7 @@ def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf1
 
     runner.execute([scheduled(100, 100, 0.7), scheduled(30, 30, 0.0)])      # prefill, sampled
     runner.execute([scheduled(320, 320, 0.0)])   # a prefill of matmul.WGMMA_MIN_M rows or more: gemm_wgmma
-    for batch in (1, 8, 16, 64, 128):   # decode, greedy: gemv, then the skinny (split-K) GEMMs of each BM
+    for batch in (1, 8, 16, 64, 128, 256):   # decode, greedy: gemv, then the split-K GEMMs of each tile
         runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
 
 

@@ -136,6 +136,66 @@ def test_gemm_wgmma_rejects_bad_arguments():
             gw.gemm_wgmma(plane, 4, dw, stale_out(4, 6), tile=tile)
 
 
+def wgmma_split_workspace(tile, m, n, splits):
+    """(partials, counters) for a split launch: partials poisoned with NaN, counters zero."""
+    partials = to_device(np.full(max(1, gw.split_partials_size(tile, m, n, splits)), np.nan, np.float32))
+    return partials, to_device(np.zeros(gw.tiles(tile, m, n), np.int32))
+
+
+# split K: the simulator's tiles over a few slabs; on the GPU the split plans' tiles
+WGMMA_SPLIT_TILES = pick([gw.SIM_TILE, gw.WgmmaTile(64, 16, 3, 0, True)],
+                         list(dict.fromkeys(mm.WGMMA_SPLIT_TILES.values())) + [mm.WGMMA_TWO_BLOCK_TILE])
+
+
+@pytest.mark.parametrize("tile", WGMMA_SPLIT_TILES, **tile_ids)
+@pytest.mark.parametrize("epilogue", ["plain", "gated", "planes"])
+@settings(max_examples=examples(2, 4))
+@given(seeds, sizes(20, [16, 64, 129, 256], 256), st.integers(1, pick(24, 3000)), st.integers(1, pick(4, 40)),
+       st.data())
+def test_gemm_wgmma_split_k(tile, epilogue, seed, m, n, slabs, data):
+    """K split over gridDim.z blocks per tile (version 11): every split count that leaves no split empty, K
+    short of a whole last slab; the result within the summation tolerance, bit-identical on a second launch
+    (the splits are added in split order whoever arrives last), the counters zero again, and for the planes
+    epilogue exactly bf16 of the float32 result."""
+    gated = epilogue != "plain"
+    k = max(8, 64 * slabs - 8 * data.draw(st.integers(0, 7)))
+    splits = data.draw(st.sampled_from(gw.valid_splits(k)))
+    rows = 2 * n if gated else n
+    m = cap_m(m, rows, k)
+    x, w = make_inputs(seed, m, rows, k)
+    plane, dw = plane_of(x), to_device(w)
+    partials, counters = wgmma_split_workspace(tile, m, rows, splits)
+    outs = []
+    for _ in range(2):
+        out = to_device(np.full((m, n), 0xBEEF, np.uint16)) if epilogue == "planes" else stale_out(m, n)
+        gw.gemm_wgmma(plane, m, dw, out, tile=tile, gated=gated, splits=splits, split_workspace=(partials, counters))
+        outs.append(out.copy_to_host())
+        assert (counters.copy_to_host() == 0).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    if epilogue == "plain":
+        check(outs[0], x, w, bf16_inputs=True)
+    elif epilogue == "gated":
+        check_gated(to_device(outs[0]), x, w, bf16_inputs=True)
+    else:   # the same launch with a float32 out gives the values these planes must encode
+        out = stale_out(m, n)
+        gw.gemm_wgmma(plane, m, dw, out, tile=tile, gated=True, splits=splits, split_workspace=(partials, counters))
+        np.testing.assert_array_equal(outs[0], f32_to_bf16(out.copy_to_host()))
+
+
+def test_gemm_wgmma_split_k_rejects_bad_plans():
+    x, w = make_inputs(0, 4, 6, 256)   # 4 slabs of 64
+    plane, dw = plane_of(x), to_device(w)
+    with pytest.raises(ValueError, match=r"3 splits of 4 slabs of 64 would leave a split empty"):
+        gw.gemm_wgmma(plane, 4, dw, stale_out(4, 6), splits=3)
+    with pytest.raises(ValueError, match=r"2 splits need split_workspace"):
+        gw.gemm_wgmma(plane, 4, dw, stale_out(4, 6), splits=2)
+    tile = gw.SIM_TILE if SIM else gw.WgmmaTile()
+    small = (device_empty(gw.split_partials_size(tile, 4, 6, 2) - 1, np.float32), device_empty(1, np.int32))
+    with pytest.raises(ValueError, match=r"2 splits need split_workspace"):
+        gw.gemm_wgmma(plane, 4, dw, stale_out(4, 6), splits=2, split_workspace=small)
+    assert gw.valid_splits(256) == [1, 2, 4] and gw.valid_splits(320) == [1, 2, 3, 5]
+
+
 def test_wgmma_tile_policy():
     """Two blocks per SM where the grid has more than a wave of 128 x 128 blocks, else the four-stage tile; and
     never in the simulator or below WGMMA_MIN_M rows."""
@@ -143,9 +203,71 @@ def test_wgmma_tile_policy():
     assert mm.wgmma_tile(1024, 2048) == mm.wgmma_tile(300, 3072) == mm.WGMMA_TILE
     assert mm.wgmma_tile(1056, 2048) == mm.WGMMA_TWO_BLOCK_TILE   # 9 x 16 blocks
     if SIM:
-        assert not mm.uses_wgmma(1024, 2048, 2048, True)
-    assert not mm.uses_wgmma(mm.WGMMA_MIN_M - 1, 2048, 2048, True)
-    assert not mm.uses_wgmma(1024, 2048, 2048, False)
+        assert not mm.wgmma_plan(1024, 2048, 2048, True)
+    if mm.WGMMA_IN_ENGINE and wgmma.device_has_wgmma():
+        assert mm.wgmma_plan(1024, 2048, 2048, True) == (mm.WGMMA_TILE, 1)
+    assert not mm.wgmma_plan(mm.WGMMA_MIN_M - 1, 2048, 2048, True)   # no split workspace
+    assert not mm.wgmma_plan(1024, 2048, 2048, False)
+
+
+def test_wgmma_split_plans():
+    """wgmma_split_plan: the first tile whose rows cover M, splits for about a block per SM without an empty or
+    short split (none where the tiles fill the SMs); split_workspace_sizes covers every plan of the engine's
+    weights; the first split row is one past a class boundary of the warm-up (every class one kernel)."""
+    weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
+               (128256, 2048, False)]
+    partials, counters = mm.split_workspace_sizes(weights, True)
+    for m in range(mm.WGMMA_SPLIT_MIN_M, mm.WGMMA_MIN_M):
+        for n, k, _ in weights:
+            tile, splits = mm.wgmma_split_plan(m, n, k)
+            rows = min(r for r in mm.WGMMA_SPLIT_TILES if r >= m)
+            wanted = mm.WGMMA_SPLIT_TILES[rows]
+            assert tile == wanted or (splits == 1 and wanted == mm.WGMMA_TILE and tile == mm.wgmma_tile(m, n))
+            slabs, tiles = -(-k // 64), gw.tiles(tile, m, n)
+            assert splits in gw.valid_splits(k) and (splits == 1 or slabs // splits >= mm.MIN_SPLIT_SLABS)
+            assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
+            assert splits == 1 or (gw.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
+    m = mm.WGMMA_SPLIT_MIN_M - 1
+    assert m in (8, 16, 32, 64, 128) or m % 64 == 0
+    assert mm.wgmma_split_plan(256, 2048, 8192) == (mm.WGMMA_TILE, 4)   # down: 32 tiles x 4 splits
+    assert mm.wgmma_split_plan(256, 16384, 2048) == (mm.WGMMA_TWO_BLOCK_TILE, 1)   # gate/up: 256 tiles
+
+
+def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
+    """With gemm_wgmma's split plans switched on (as on a GPU of compute capability 9.0), matmul, gated_matmul
+    and mlp given a split workspace send decode rows below WGMMA_MIN_M to gemm_wgmma with K split: each result
+    within the same bounds, the counters zero afterwards."""
+    calls = []
+    kernel = gw.gemm_wgmma
+    monkeypatch.setattr(mm, "WGMMA_IN_ENGINE", True)
+    monkeypatch.setattr(mm, "WGMMA_SPLIT_IN_ENGINE", True)
+    monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
+    if SIM:   # one block tile of rows (a simulated block costs seconds)
+        monkeypatch.setattr(mm, "WGMMA_SPLIT_TILES", {mm.WGMMA_MIN_M - 1: gw.SIM_TILE})
+        monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
+    monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
+    m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512   # 8 slabs of K: two splits of at least MIN_SPLIT_SLABS
+    x, w = make_inputs(1, m, n, k)
+    ws = device_empty(m * max(k, f), np.uint16)
+    sizes_ = mm.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
+    split_ws = (device_empty(sizes_[0], np.float32), to_device(np.zeros(sizes_[1], np.int32)))
+    out = stale_out(m, n)
+    mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
+    check(out, x, w, bf16_inputs=True)
+    wg = make_inputs(2, 1, 2 * f, k)[1]
+    gated = stale_out(m, f)
+    mm.gated_matmul(to_device(x), to_device(wg), gated, None, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
+    check_gated(gated, x, wg, bf16_inputs=True)
+    w2 = make_inputs(3, 1, k, f)[1]
+    act_planes = device_empty((m, f), np.uint16)
+    out2 = stale_out(m, k)
+    mm.mlp(to_device(x), to_device(wg), to_device(w2), out2, None, None, bf16_inputs=True, workspace=ws,
+           act_planes=act_planes, split_workspace=split_ws)
+    np.testing.assert_array_equal(act_planes.copy_to_host(), f32_to_bf16(gated.copy_to_host()))
+    check(out2, bf16_to_f32(act_planes.copy_to_host()), w2, bf16_inputs=True)
+    plans = [mm.wgmma_split_plan(m, n, k)[1], mm.wgmma_split_plan(m, 2 * f, k)[1]]
+    assert calls == plans + [plans[1], mm.wgmma_split_plan(m, k, f)[1]] and min(plans) > 1
+    assert (split_ws[1].copy_to_host() == 0).all()
 
 
 def test_entry_points_take_gemm_wgmma(monkeypatch):

@@ -25,6 +25,8 @@ from tools.kernel_benchmarks.matmul import COLD_BYTES, _cold_case
 # (M, N, K) per size: "real" is the 1B model's QKV projection, "tiny" what the simulator affords
 GEMV_SHAPES = {"real": (1, 3072, 2048), "tiny": (1, 40, 72)}
 GEMM_SHAPES = {"real": (1024, 3072, 2048), "tiny": (20, 24, 48)}
+# a decode batch (rungs 7 and 11: K split over blocks); the tiny K has two slabs of the simulator's tiles
+SPLIT_SHAPES = {"real": (64, 3072, 2048), "tiny": (12, 24, 128)}
 
 
 def _operands(shape, real: bool, seed: int):
@@ -99,4 +101,38 @@ def gemm_steps(real: bool) -> list[Step]:
 
             steps.append(Step(version, idea, _case("gemm_wgmma", run_wgmma, ops, bf16_inputs=True),
                               WGMMA_PEAK_TFLOPS))
+    return steps + split_steps(real)
+
+
+def split_steps(real: bool) -> list[Step]:
+    """A decode batch of 64 rows (bandwidth-bound: the weight read once is the roofline): gemm_pipelined in its
+    unsplit policy tile, then with K split over blocks (rung 7), and gemm_wgmma split (rung 11, Hopper)."""
+    shape = SPLIT_SHAPES["real" if real else "tiny"]
+    m, n, k = shape
+    ops = _operands(shape, real, seed=7)
+    workspace = cuda.device_array(gp.workspace_size(m, k, True), np.uint16)
+    unsplit = mm.pipelined_tile(m, n, k, True) if real else gp.SIM_TILE
+    tile, splits = mm.skinny_plan(m, n, k, True) if real else (gp.SIM_TILE, 2)
+    plans = [("6 gemm_pipelined, M = 64", "the prefill kernel on a decode batch: 48 blocks stream W", gp, unsplit, 1),
+             (f"7 gemm_pipelined split K x {splits}", "K split over blocks: the weight streams from every SM",
+              gp, tile, splits)]
+    if SIMULATOR or wgmma.device_has_wgmma():
+        wg_tile, wg_splits = mm.wgmma_split_plan(m, n, k) if real else (gw.SIM_TILE, 2)
+        plans.append((f"11 gemm_wgmma split K x {wg_splits}", "the same split with wgmma's products", gw, wg_tile,
+                      wg_splits))
+    partials = max(module.split_partials_size(t, m, n, s) for _, _, module, t, s in plans)
+    counters = max(gw.tiles(t, m, n) if module is gw else gp.split_counters_size(t, m, n)
+                   for _, _, module, t, _ in plans)
+    split_ws = (cuda.device_array(partials, np.float32), cuda.to_device(np.zeros(counters, np.int32)))
+    steps = []
+    for version, idea, module, tile_, splits_ in plans:
+        def run(x, w, out, stream, module=module, tile=tile_, splits=splits_, bf16_inputs=True):
+            gp.bf16_planes(x, workspace, stream, bf16_inputs=True)
+            if module is gw:
+                gw.gemm_wgmma(workspace, m, w, out, stream, tile=tile, splits=splits, split_workspace=split_ws)
+            else:
+                gp.gemm_planes(workspace, m, w, out, stream, tile=tile, bf16_inputs=True, splits=splits,
+                               split_workspace=split_ws)
+
+        steps.append(Step(version, idea, _case(version, run, ops, bf16_inputs=True)))
     return steps

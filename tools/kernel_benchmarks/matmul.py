@@ -463,6 +463,67 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
     return out
 
 
+def wgmma_split_variants(m: int, n: int, k: int) -> list[tuple[gw.WgmmaTile, int]]:
+    """(tile, splits) of gemm_wgmma worth timing for a decode batch of m rows: the split plan (policy first),
+    half and twice its splits, the 64-row tile against the 128-row one (and at m > 128, 256 rows a block: four
+    warpgroups), each at its own plan's splits, and the plan's tile in its two-block form."""
+    tile, splits = mm.wgmma_split_plan(m, n, k)
+    out = [(tile, splits), (tile, max(1, splits // 2)), (tile, splits * 2)]
+    others = [gw.WgmmaTile(64, 128, 4, overlap=True), mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE]
+    if m > 128:
+        others.append(gw.WgmmaTile(256, 128, 4, overlap=True))
+    out += [mm.wgmma_split_plan(m, n, k, tile=t) for t in others]
+    valid = []
+    for t, s in out:
+        if (t, s) not in valid and s in gw.valid_splits(k):
+            valid.append((t, s))
+    return valid
+
+
+def wgmma_split_cases(ms=(16, 32, 64, 128, 192, 256), weights=None, cold_bytes: int = COLD_BYTES) -> list[Case]:
+    """Decode batches with bf16 inputs and each weight cold in L2, x's bf16 plane ready (as the engine's norms
+    write it): what the engine ran before gemm_wgmma's split plan (gemv_tc where uses_gemv_tc says, else
+    gemm_pipelined's skinny plan up to PIPELINED_SKINNY_MAX_M rows and its policy tile above) against gemm_wgmma
+    in each of wgmma_split_variants. gate/up runs gated (silu(gate) * up, what the engine runs); the rest
+    plain. Needs a GPU of compute capability 9.0 (or the simulator, on tiny shapes)."""
+    rng = np.random.default_rng(8)
+    out = []
+    for wname, n, k, w, copies in _cold_weights(rng, weights, cold_bytes):
+        gated = wname == "gate_up"
+        for m in ms:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            planes = cuda.to_device(f32_to_bf16(x).ravel())
+            dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
+            variants = wgmma_split_variants(m, n, k)
+            if m <= mm.PIPELINED_SKINNY_MAX_M:
+                ptile, psplits = mm.skinny_plan(m, n, k, True, gated)
+            else:
+                ptile, psplits = mm.pipelined_tile(m, n, k, True), 1
+            size_p = max([gp.split_partials_size(ptile, m, n, psplits, gated)]
+                         + [gw.split_partials_size(t, m, n, s_) for t, s_ in variants])
+            size_c = max([gp.split_counters_size(ptile, m, n, gated)] + [gw.tiles(t, m, n) for t, _ in variants])
+            split_ws = (cuda.device_array(size_p, np.float32), cuda.to_device(np.zeros(size_c, np.int32)))
+            if mm.uses_gemv_tc(m, n, k, True):
+                config = mm.gemv_tc_config(m, n, k)
+
+                def before(dx, w_, out_, stream, m=m, config=config, gated=gated):
+                    gt.gemv_tc(dx, m, w_, out_, stream, config=config, gated=gated)
+                runs = [(f"before: gemv_tc {_gemv_tc_label(config)}", before)]
+            else:
+                def before(dx, w_, out_, stream, m=m, tile=ptile, splits=psplits, gated=gated):
+                    gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated, splits=splits,
+                                   split_workspace=split_ws)
+                runs = [(f"before: gemm_pipelined {_tile_label(ptile)}, {psplits} splits", before)]
+            for i, (tile, splits) in enumerate(variants):
+                def wgmma(dx, w_, out_, stream, m=m, tile=tile, splits=splits, gated=gated):
+                    gw.gemm_wgmma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits,
+                                  split_workspace=split_ws)
+                label = "policy" if i == 0 else "variant"
+                runs.append((f"gemm_wgmma {label} {_tile_label(tile)}, {splits} splits", wgmma))
+            out += [_planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) for label, launcher in runs]
+    return out
+
+
 def engine_decode_cases(config, bf16_inputs: bool = False, cold_bytes: int = COLD_BYTES,
                         block_size: int = 16) -> list[Case]:
     """The five batch-1 decode matmuls of a model as the engine launches them (tinyvllm/cuda_runner.py at
@@ -615,6 +676,10 @@ def main() -> None:
     parser.add_argument("--wgmma", action="store_true",
                         help="instead: prefill GEMMs (M = 192, 256, 300, 1024, or --m from 129) with bf16 inputs: "
                              "gemm_pipelined's policy tile against gemm_wgmma in each of WGMMA_CANDIDATES")
+    parser.add_argument("--wgmma-split", action="store_true",
+                        help="instead: decode batches (M = 16-256, or --m from 9 to 256) with cold weights and bf16 "
+                             "inputs: the kernel the engine ran before against gemm_wgmma's split plans "
+                             "(wgmma_split_variants)")
     args = parser.parse_args()
     if args.wgmma:
         print("| case | time (us) | TFLOP/s |")
@@ -624,6 +689,17 @@ def main() -> None:
             cell = seconds if isinstance(seconds, str) else f"{seconds * 1e6:,.1f} | {case.flops / seconds / 1e12:.0f}"
             print(f"| {case.name} | {cell} |", flush=True)
         return
+    if args.wgmma_split:
+        print("| case | time (us) | weight GB/s | TFLOP/s |")
+        print("| --- | ---: | ---: | ---: |")
+        for case in wgmma_split_cases([m for m in args.m if 8 < m < mm.WGMMA_MIN_M] or (16, 32, 64, 128, 192, 256),
+                                      args.weights):
+            seconds = checked_time(case)
+            cell = seconds if isinstance(seconds, str) else (
+                f"{seconds * 1e6:,.1f} | {case.bytes_moved / seconds / 1e9:,.0f} | {case.flops / seconds / 1e12:.0f}")
+            print(f"| {case.name} | {cell} |", flush=True)
+        return
+    if args.gemv_tc:
         print("| case | time (us) | weight GB/s |")
         print("| --- | ---: | ---: |")
         for case in gemv_tc_cases([m for m in args.m if 8 < m <= 64] or (16, 32, 64), args.weights):
