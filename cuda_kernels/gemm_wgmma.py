@@ -262,8 +262,8 @@ def gemm_wgmma(plane, m: int, weight, out, stream=0, tile: WgmmaTile | None = No
     tile = WgmmaTile(*tile) if tile else (SIM_TILE if SIMULATOR else WgmmaTile())
     grid = _cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn)
     args = (plane, view(weight, (N * K,)), out, np.int64(K))
-    split_args = check_split_args("gemm_wgmma", splits, _cdiv(K, TILE_K), TILE_K, split_workspace, grid[0] * grid[1],
-                                  tile.bm * tile.bn)
+    split_args = check_split_args("gemm_wgmma", splits, _cdiv(K, TILE_K), TILE_K, split_workspace,
+                                  tiles(tile, m, N), tile.bm * tile.bn)
     if split_args:
         grid, args = (*grid, splits), (*args, *split_args)
     kernel = _gemm_kernel(*tile, gated=bool(gated), planes_out=out.dtype == np.uint16, split_k=splits > 1)

@@ -151,11 +151,7 @@ def install(cuda_home: Path, report: list) -> None:
         # NOTE: for the architecture-specific target, sm_90a, as numba-cuda compiles on a device of compute
         # capability 9.0 (gemm_wgmma's instructions exist there only)
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(*CC, "a"), **options)
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "k.ptx").write_text(ptx)
-            done = subprocess.run([str(ptxas), f"-arch=sm_{CC[0]}{CC[1]}a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                                  capture_output=True, text=True)
-        report.append((kernel.py_func.__name__, tuple(grid), tuple(block), done))
+        report.append((kernel.py_func.__name__, tuple(grid), tuple(block), assemble(ptxas, ptx)))
 
     def dims(value):
         return (value,) if isinstance(value, int) else tuple(value)
@@ -213,14 +209,18 @@ def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf1
         runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
 
 
-def ptxas_registers(ptxas: Path, ptx: str) -> int:
+def assemble(ptxas: Path, ptx: str, check: bool = False) -> subprocess.CompletedProcess:
+    """`ptxas -v` on the PTX for its own target (sm_90a where numba-cuda compiled for it: a kernel using wgmma);
+    the register, spill and shared-memory report is in stderr."""
+    arch = re.search(r"\.target (sm_\w+)", ptx)[1]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
-        # the PTX's own target: sm_90a where a kernel uses wgmma (numba-cuda targets it on such devices)
-        arch = re.search(r"\.target (sm_\w+)", ptx)[1]
-        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                              capture_output=True, text=True, check=True)
-    return int(re.search(r"Used (\d+) registers", done.stderr)[1])
+        return subprocess.run([str(ptxas), f"-arch={arch}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True, check=check)
+
+
+def ptxas_registers(ptxas: Path, ptx: str) -> int:
+    return int(re.search(r"Used (\d+) registers", assemble(ptxas, ptx, check=True).stderr)[1])
 
 
 def attention_warps(ptxas: Path, block_size: int, kv_formats=("bf16",)) -> int:

@@ -652,6 +652,21 @@ def _check_rope(got, want, x, w, bf16_inputs):
         np.testing.assert_array_less(np.abs(g - r), b, err_msg=f"gemv_rope: {name}")
 
 
+RATES = {"weight GB/s": lambda case, seconds: f"{case.bytes_moved / seconds / 1e9:,.0f}",
+         "TFLOP/s": lambda case, seconds: f"{case.flops / seconds / 1e12:.0f}"}
+
+
+def _print_rates(cases, rates: list[str]) -> None:
+    """A markdown table: per case (checked first) its time and each of `rates` (names of RATES), or its failure."""
+    print("| case | time (us) | " + " | ".join(rates) + " |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in rates) + " |")
+    for case in cases:
+        seconds = checked_time(case)
+        cell = seconds if isinstance(seconds, str) else " | ".join(
+            [f"{seconds * 1e6:,.1f}"] + [RATES[rate](case, seconds) for rate in rates])
+        print(f"| {case.name} | {cell} |", flush=True)
+
+
 def main() -> None:
     """Time the gemm_tc cases; print effective TFLOP/s, weight GB/s and the fraction of the mma.sync peak."""
     import argparse
@@ -682,30 +697,14 @@ def main() -> None:
                              "(wgmma_split_variants)")
     args = parser.parse_args()
     if args.wgmma:
-        print("| case | time (us) | TFLOP/s |")
-        print("| --- | ---: | ---: |")
-        for case in wgmma_cases([m for m in args.m if m > 128] or (192, 256, 300, 1024), args.weights):
-            seconds = checked_time(case)
-            cell = seconds if isinstance(seconds, str) else f"{seconds * 1e6:,.1f} | {case.flops / seconds / 1e12:.0f}"
-            print(f"| {case.name} | {cell} |", flush=True)
+        _print_rates(wgmma_cases([m for m in args.m if m > 128] or (192, 256, 300, 1024), args.weights), ["TFLOP/s"])
         return
     if args.wgmma_split:
-        print("| case | time (us) | weight GB/s | TFLOP/s |")
-        print("| --- | ---: | ---: | ---: |")
-        for case in wgmma_split_cases([m for m in args.m if 8 < m < mm.WGMMA_MIN_M] or (16, 32, 64, 128, 192, 256),
-                                      args.weights):
-            seconds = checked_time(case)
-            cell = seconds if isinstance(seconds, str) else (
-                f"{seconds * 1e6:,.1f} | {case.bytes_moved / seconds / 1e9:,.0f} | {case.flops / seconds / 1e12:.0f}")
-            print(f"| {case.name} | {cell} |", flush=True)
+        _print_rates(wgmma_split_cases([m for m in args.m if 8 < m < mm.WGMMA_MIN_M] or (16, 32, 64, 128, 192, 256),
+                                       args.weights), ["weight GB/s", "TFLOP/s"])
         return
     if args.gemv_tc:
-        print("| case | time (us) | weight GB/s |")
-        print("| --- | ---: | ---: |")
-        for case in gemv_tc_cases([m for m in args.m if 8 < m <= 64] or (16, 32, 64), args.weights):
-            seconds = checked_time(case)
-            cell = seconds if isinstance(seconds, str) else f"{seconds * 1e6:,.1f} | {case.bytes_moved / seconds / 1e9:,.0f}"
-            print(f"| {case.name} | {cell} |", flush=True)
+        _print_rates(gemv_tc_cases([m for m in args.m if 8 < m <= 64] or (16, 32, 64), args.weights), ["weight GB/s"])
         return
     if args.skinny:
         print("| case | time (us) | weight GB/s |")
