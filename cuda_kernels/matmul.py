@@ -160,16 +160,23 @@ WGMMA_MIN_M = 257
 WGMMA_TILE = WgmmaTile(128, 128, 4, overlap=True)
 WGMMA_TWO_BLOCK_TILE = WgmmaTile(128, 128, 3, 2, overlap=True)   # two blocks per SM: for grids above a wave
 WGMMA_ONE_WAVE = 132
+# Four warpgroups a block sharing each W slab (fewer operand bytes from L2 per product): wgmma_tile takes it
+# for more than 128 rows where its grid has WGMMA_TALL_MIN_BLOCKS blocks or more. NOTE: about a wave; it won at
+# 128 and 512 blocks, lost at 64 (docs/performance.md, "gemm_wgmma").
+WGMMA_TALL_TILE = WgmmaTile(256, 128, 4, overlap=True)
+WGMMA_TALL_MIN_BLOCKS = 128
+WGMMA_TALL_IN_ENGINE = True
 WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "1") != "0"
 # gemm_wgmma with K split over blocks (version 11) for decode batches from WGMMA_SPLIT_MIN_M rows up to
 # WGMMA_MIN_M - 1, given a split workspace, in the tile of WGMMA_SPLIT_TILES for M (the first whose rows cover
-# it) and about a block per SM (wgmma_split_plan). NOTE: off until it is timed against the kernels it would
-# replace on the GPU (TINYVLLM_WGMMA_SPLIT=1 turns it on).
+# it) and about a block per SM (wgmma_split_plan); TINYVLLM_WGMMA_SPLIT=0 turns it off. NOTE: from 65 rows,
+# where it made the decode step faster; at 17-64 rows (the 64-row tile) it made it slower than gemv_tc and
+# gemm_pipelined's skinny plan (docs/performance.md, "gemm_wgmma").
 # NOTE: WGMMA_SPLIT_MIN_M is one more than a class boundary of the warm-up (8, 16, 32, 64, 128 or a multiple of
 # 64: tinyvllm/warmup.py), so that every class of M takes one kernel.
-WGMMA_SPLIT_MIN_M = 129
+WGMMA_SPLIT_MIN_M = 65
 WGMMA_SPLIT_TILES = {64: WgmmaTile(64, 128, 4, overlap=True), WGMMA_MIN_M - 1: WGMMA_TILE}
-WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT", "0") == "1"
+WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT", "1") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -487,8 +494,12 @@ def _tc(x, weight, out, workspace, stream, planes_ready: bool, gated: bool = Fal
 
 def wgmma_tile(m: int, n: int) -> WgmmaTile:
     """The tile gemm_wgmma uses for x (m, K) @ W (n, K)^T (n: the weight's rows; gated, 2F, which a block covers
-    128 rows at a time as well): with more 128 x 128 blocks than one wave, the three-stage tile that fits two
-    blocks per SM; else the four-stage one (H200: docs/performance.md, "gemm_wgmma")."""
+    128 rows at a time as well): above 128 rows WGMMA_TALL_TILE where its grid has WGMMA_TALL_MIN_BLOCKS
+    blocks; else, with more 128 x 128 blocks than one wave, the three-stage tile that fits two blocks per SM;
+    else the four-stage one (docs/performance.md, "gemm_wgmma")."""
+    tall_blocks = -(-m // WGMMA_TALL_TILE.bm) * -(-n // WGMMA_TALL_TILE.bn)
+    if WGMMA_TALL_IN_ENGINE and m > WGMMA_TALL_TILE.bm // 2 and tall_blocks >= WGMMA_TALL_MIN_BLOCKS:
+        return WGMMA_TALL_TILE
     blocks = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
     return WGMMA_TWO_BLOCK_TILE if blocks > WGMMA_ONE_WAVE else WGMMA_TILE
 

@@ -59,10 +59,11 @@ def test_wgmma_rejects_other_widths():
 
 
 # tiles: the simulator's (one warpgroup, narrow), a two-stage one and an overlapping one; on the GPU the
-# candidates the policy picks from
+# candidates the policy picks from and larger blocks
 WGMMA_TILES = pick([gw.SIM_TILE, gw.WgmmaTile(64, 32, 2), gw.WgmmaTile(64, 16, 3, 0, True)],
                    [gw.WgmmaTile(), gw.WgmmaTile(128, 128, 4, 0, True), gw.WgmmaTile(128, 128, 3, 2, True),
-                    gw.WgmmaTile(64, 128, 4, 0, True), gw.WgmmaTile(128, 64, 4)])
+                    gw.WgmmaTile(64, 128, 4, 0, True), gw.WgmmaTile(128, 64, 4), gw.WgmmaTile(256, 128, 4, 0, True),
+                    gw.WgmmaTile(192, 192, 4, 0, True)])
 tile_ids = {"ids": lambda t: "x".join(map(str, t))}
 
 
@@ -197,9 +198,13 @@ def test_gemm_wgmma_split_k_rejects_bad_plans():
 
 
 def test_wgmma_tile_policy():
-    """Two blocks per SM where the grid has more than a wave of 128 x 128 blocks, else the four-stage tile; and
-    never in the simulator or below WGMMA_MIN_M rows."""
-    assert mm.wgmma_tile(1024, 3072) == mm.wgmma_tile(1024, 16384) == mm.WGMMA_TWO_BLOCK_TILE
+    """Above 128 rows the 256-row tile where its grid has about a wave of blocks; else two blocks per SM where
+    the grid has more than a wave of 128 x 128 blocks; else the four-stage tile; and never in the simulator or
+    below WGMMA_MIN_M rows."""
+    assert mm.wgmma_tile(1024, 16384) == mm.wgmma_tile(129, 16384) == mm.WGMMA_TALL_TILE   # 4 x 128, 1 x 128 blocks
+    assert mm.wgmma_tile(1536, 3072) == mm.WGMMA_TALL_TILE                                 # 6 x 24 blocks
+    assert mm.wgmma_tile(1024, 3072) == mm.WGMMA_TWO_BLOCK_TILE   # 4 x 24 tall blocks, 8 x 24 of 128 rows
+    assert mm.wgmma_tile(128, 16384) == mm.WGMMA_TILE              # 128 rows: 1 x 128 blocks of 128 rows
     assert mm.wgmma_tile(1024, 2048) == mm.wgmma_tile(300, 3072) == mm.WGMMA_TILE
     assert mm.wgmma_tile(1056, 2048) == mm.WGMMA_TWO_BLOCK_TILE   # 9 x 16 blocks
     if SIM:
@@ -230,7 +235,7 @@ def test_wgmma_split_plans():
     m = mm.WGMMA_SPLIT_MIN_M - 1
     assert m in (8, 16, 32, 64, 128) or m % 64 == 0
     assert mm.wgmma_split_plan(256, 2048, 8192) == (mm.WGMMA_TILE, 4)   # down: 32 tiles x 4 splits
-    assert mm.wgmma_split_plan(256, 16384, 2048) == (mm.WGMMA_TWO_BLOCK_TILE, 1)   # gate/up: 256 tiles
+    assert mm.wgmma_split_plan(256, 16384, 2048) == (mm.WGMMA_TALL_TILE, 1)   # gate/up: 128 tall tiles
 
 
 def test_entry_points_take_the_wgmma_split_plan(monkeypatch):

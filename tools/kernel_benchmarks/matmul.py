@@ -430,9 +430,13 @@ def _planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) -> C
                 flops=2.0 * m * n * k, shape=f"{wname} {m}", config=label)
 
 
-# gemm_wgmma tiles worth timing (--wgmma): the policy's two, the synchronous rung, more stages, 64 rows a block
+# gemm_wgmma tiles worth timing (--wgmma): the policy's two, the synchronous rung, more stages, 64 rows a block,
+# and larger blocks, which load fewer operand bytes from L2 per product (three or four warpgroups sharing each W
+# slab, or 192 columns a warpgroup: 111-164 registers, no spills, ptxas offline)
 WGMMA_CANDIDATES = (mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE, gw.WgmmaTile(128, 128, 4),
-                    gw.WgmmaTile(128, 128, 5, overlap=True), gw.WgmmaTile(64, 128, 4, overlap=True))
+                    gw.WgmmaTile(128, 128, 5, overlap=True), gw.WgmmaTile(64, 128, 4, overlap=True),
+                    gw.WgmmaTile(192, 128, 4, overlap=True), gw.WgmmaTile(256, 128, 3, overlap=True),
+                    gw.WgmmaTile(256, 128, 4, overlap=True), gw.WgmmaTile(192, 192, 4, overlap=True))
 
 
 def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) -> list[Case]:
@@ -510,14 +514,13 @@ def wgmma_split_cases(ms=(16, 32, 64, 128, 192, 256), weights=None, cold_bytes: 
                     gt.gemv_tc(dx, m, w_, out_, stream, config=config, gated=gated)
                 runs = [(f"before: gemv_tc {_gemv_tc_label(config)}", before)]
             else:
-                def before(dx, w_, out_, stream, m=m, tile=ptile, splits=psplits, gated=gated):
+                def before(dx, w_, out_, stream, m=m, tile=ptile, splits=psplits, gated=gated, ws=split_ws):
                     gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated, splits=splits,
-                                   split_workspace=split_ws)
+                                   split_workspace=ws)
                 runs = [(f"before: gemm_pipelined {_tile_label(ptile)}, {psplits} splits", before)]
             for i, (tile, splits) in enumerate(variants):
-                def wgmma(dx, w_, out_, stream, m=m, tile=tile, splits=splits, gated=gated):
-                    gw.gemm_wgmma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits,
-                                  split_workspace=split_ws)
+                def wgmma(dx, w_, out_, stream, m=m, tile=tile, splits=splits, gated=gated, ws=split_ws):
+                    gw.gemm_wgmma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits, split_workspace=ws)
                 label = "policy" if i == 0 else "variant"
                 runs.append((f"gemm_wgmma {label} {_tile_label(tile)}, {splits} splits", wgmma))
             out += [_planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) for label, launcher in runs]
