@@ -18,6 +18,47 @@ def test_token_counts_cover_every_class_of_the_matmul_policies():
     assert token_counts(5) == [1, 2, 3, 4, 5] and token_counts(100) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 100]
 
 
+def gpu_matmul_kernel(mm, m, n, k, gated):
+    """What decides the kernel a GPU engine's matmul compiles for x (m, k) @ W (n, k)^T, bf16 inputs, planes and
+    split workspaces given: the family and its compile-time configuration (a split count is a launch argument,
+    not a kernel: only whether K is split counts)."""
+    if mm.uses_gemv(m, n):
+        return "gemv", mm.gemv_config(m, n, k)
+    if mm.uses_gemv_tc(m, n, k, True):
+        return "gemv_tc", mm.gemv_tc_config(m, n, k)
+    plan = mm.wgmma_plan(m, n, k, True, split_workspace=())
+    if plan:
+        return "gemm_wgmma", plan[0], plan[1] > 1
+    tile, splits = mm.pipelined_plan(m, n, k, True, gated, split_workspace=())
+    return "gemm_pipelined", tile, splits > 1
+
+
+def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch):
+    """The warm-up compiles one representative M per class (token_counts); every other M of the class must take
+    the same kernels, or a request would compile one after ready. Checked for the 1B model's weights with the
+    matmul policies of an H100 or H200 (gemv, gemv_tc, gemm_pipelined's skinny plans and tiles, gemm_wgmma's
+    split plans and tiles), which this machine's simulator settings would otherwise hide."""
+    from cuda_kernels import matmul as mm
+    from cuda_kernels import wgmma
+
+    for name, value in [("SIMULATOR", False), ("GEMV_MAX_M", 8), ("GEMV_WIDE_MAX_M", 4), ("GEMV_TC_IN_ENGINE", True),
+                        ("WGMMA_IN_ENGINE", True), ("WGMMA_SPLIT_IN_ENGINE", True)]:
+        monkeypatch.setattr(mm, name, value)
+    monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
+    weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
+               (128256, 2048, False)]
+    limit = 2048
+    classes = token_counts(limit)
+    seen = set()
+    for m in range(1, limit + 1):
+        representative = min(c for c in classes if c >= m)
+        for n, k, gated in weights:
+            kernel = gpu_matmul_kernel(mm, m, n, k, gated)
+            assert kernel == gpu_matmul_kernel(mm, representative, n, k, gated), (m, representative, n, k)
+            seen.add(kernel[0])
+    assert seen == {"gemv", "gemv_tc", "gemm_pipelined", "gemm_wgmma"}
+
+
 def test_no_kernel_is_prepared_after_the_warm_up(tiny_model_dir):
     llm = LLM(tiny_model_dir, backend="cuda", block_size=4, max_num_seqs=3, max_num_batched_tokens=8,
               num_kv_blocks=24, warmup=True, matmul_precision="fp32")
