@@ -201,6 +201,9 @@ def main(argv=None) -> int:
     p.add_argument("--wgmma-ab", action="store_true",
                    help="also time the TTFT with the prefill GEMMs on gemm_pipelined and on gemm_wgmma (bf16 "
                         "inputs), alternating in the same engine (matmul.WGMMA_IN_ENGINE), two rounds")
+    p.add_argument("--tall-ab", action="store_true",
+                   help="also time the TTFT with gemm_wgmma's 256-row tile in its policy and without (bf16 "
+                        "inputs), alternating in the same engine (matmul.WGMMA_TALL_IN_ENGINE), two rounds")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -225,6 +228,8 @@ def main(argv=None) -> int:
             switch_ab(llm, prompt, attention_policy, "PREFILL_PIPELINED", ("attention_tc", "pipelined"))
         if args.wgmma_ab and precision == "bf16":
             switch_ab(llm, prompt, matmul, "WGMMA_IN_ENGINE", ("gemm_pipelined", "gemm_wgmma"))
+        if args.tall_ab and precision == "bf16":
+            switch_ab(llm, prompt, matmul, "WGMMA_TALL_IN_ENGINE", ("128-row tiles", "256-row tile"))
         total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
         print_table(f"launcher ({precision}), synchronized", parts)
