@@ -279,8 +279,8 @@ def wgmma_plan(m: int, n: int, k: int, bf16_inputs: bool, split_workspace=None) 
 def wgmma_split_plan(m: int, n: int, k: int, tile: WgmmaTile | None = None) -> tuple[WgmmaTile, int]:
     """(tile, splits) of gemm_wgmma for a decode batch x (m < WGMMA_MIN_M, k) @ W (n, k)^T: the first tile of
     WGMMA_SPLIT_TILES whose rows cover m (or `tile`), K's 64-deep slabs split for about one block per SM
-    (split_count); where WGMMA_TILE's grid needs no split, wgmma_tile's choice for the grid (two blocks per SM
-    above a wave, as at prefill). n: the weight's rows (gated: 2F)."""
+    (split_count); where WGMMA_TILE's grid needs no split, wgmma_tile's choice for the grid (the 256-row tile,
+    or two blocks per SM above a wave, as at prefill). n: the weight's rows (gated: 2F)."""
     chosen = tile or next(t for rows, t in WGMMA_SPLIT_TILES.items() if m <= rows)
     splits = split_count(gemm_wgmma.tiles(chosen, m, n), -(-k // wgmma.TILE_K))
     if tile is None and splits == 1 and chosen == WGMMA_TILE:
@@ -497,11 +497,10 @@ def wgmma_tile(m: int, n: int) -> WgmmaTile:
     128 rows at a time as well): above 128 rows WGMMA_TALL_TILE where its grid has WGMMA_TALL_MIN_BLOCKS
     blocks; else, with more 128 x 128 blocks than one wave, the three-stage tile that fits two blocks per SM;
     else the four-stage one (docs/performance.md, "gemm_wgmma")."""
-    tall_blocks = -(-m // WGMMA_TALL_TILE.bm) * -(-n // WGMMA_TALL_TILE.bn)
-    if WGMMA_TALL_IN_ENGINE and m > WGMMA_TALL_TILE.bm // 2 and tall_blocks >= WGMMA_TALL_MIN_BLOCKS:
+    if (WGMMA_TALL_IN_ENGINE and m > WGMMA_TALL_TILE.bm // 2
+            and gemm_wgmma.tiles(WGMMA_TALL_TILE, m, n) >= WGMMA_TALL_MIN_BLOCKS):
         return WGMMA_TALL_TILE
-    blocks = -(-m // WGMMA_TILE.bm) * -(-n // WGMMA_TILE.bn)
-    return WGMMA_TWO_BLOCK_TILE if blocks > WGMMA_ONE_WAVE else WGMMA_TILE
+    return WGMMA_TWO_BLOCK_TILE if gemm_wgmma.tiles(WGMMA_TILE, m, n) > WGMMA_ONE_WAVE else WGMMA_TILE
 
 
 def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, plan, split_workspace, gated: bool = False):

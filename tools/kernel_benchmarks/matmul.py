@@ -436,7 +436,7 @@ def _planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) -> C
 WGMMA_CANDIDATES = (mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE, gw.WgmmaTile(128, 128, 4),
                     gw.WgmmaTile(128, 128, 5, overlap=True), gw.WgmmaTile(64, 128, 4, overlap=True),
                     gw.WgmmaTile(192, 128, 4, overlap=True), gw.WgmmaTile(256, 128, 3, overlap=True),
-                    gw.WgmmaTile(256, 128, 4, overlap=True), gw.WgmmaTile(192, 192, 4, overlap=True))
+                    mm.WGMMA_TALL_TILE, gw.WgmmaTile(192, 192, 4, overlap=True))
 
 
 def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) -> list[Case]:
@@ -469,13 +469,13 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
 
 def wgmma_split_variants(m: int, n: int, k: int) -> list[tuple[gw.WgmmaTile, int]]:
     """(tile, splits) of gemm_wgmma worth timing for a decode batch of m rows: the split plan (policy first),
-    half and twice its splits, the 64-row tile against the 128-row one (and at m > 128, 256 rows a block: four
-    warpgroups), each at its own plan's splits, and the plan's tile in its two-block form."""
+    half and twice its splits, the 64-row tile against the 128-row one (and at m > 128, matmul.WGMMA_TALL_TILE:
+    four warpgroups), each at its own plan's splits, and the plan's tile in its two-block form."""
     tile, splits = mm.wgmma_split_plan(m, n, k)
     out = [(tile, splits), (tile, max(1, splits // 2)), (tile, splits * 2)]
     others = [gw.WgmmaTile(64, 128, 4, overlap=True), mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE]
     if m > 128:
-        others.append(gw.WgmmaTile(256, 128, 4, overlap=True))
+        others.append(mm.WGMMA_TALL_TILE)
     out += [mm.wgmma_split_plan(m, n, k, tile=t) for t in others]
     valid = []
     for t, s in out:
