@@ -41,7 +41,7 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
   workspace's sizes: split_workspace_sizes);
 - wgmma_plan: gemm_wgmma instead of gemm_pipelined for bf16 inputs on a GPU of compute capability 9.0 (given
   a planes workspace): from WGMMA_MIN_M rows in the tile of wgmma_tile(M, N), and with a split workspace from
-  WGMMA_SPLIT_MIN_M rows with K split over blocks (wgmma_split_plan);
+  wgmma_split_min_m(N, K) rows with K split over blocks (wgmma_split_plan);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -170,12 +170,20 @@ WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "1") != "0"
 # gemm_wgmma with K split over blocks (version 11) for decode batches from WGMMA_SPLIT_MIN_M rows up to
 # WGMMA_MIN_M - 1, given a split workspace, in the tile of WGMMA_SPLIT_TILES for M (the first whose rows cover
 # it) and about a block per SM (wgmma_split_plan); TINYVLLM_WGMMA_SPLIT=0 turns it off. NOTE: from 65 rows,
-# where it made the decode step faster; at 17-64 rows (the 64-row tile) it made it slower than gemv_tc and
-# gemm_pipelined's skinny plan (docs/performance.md, "gemm_wgmma").
+# where it made the decode step faster; at 17-64 rows on every weight it made it slower than gemv_tc and
+# gemm_pipelined's skinny plan (docs/performance.md, "gemm_wgmma"), but not on the wide weights (below).
 # NOTE: WGMMA_SPLIT_MIN_M is one more than a class boundary of the warm-up (8, 16, 32, 64, 128 or a multiple of
 # 64: tinyvllm/warmup.py), so that every class of M takes one kernel.
 WGMMA_SPLIT_MIN_M = 65
+# Wide weights (WGMMA_WIDE_WEIGHT elements or more: the 1B model's gate/up and down) take the split plan from
+# WGMMA_WIDE_SPLIT_MIN_M rows, where alone they beat the skinny plan and O did not (docs/performance.md,
+# "gemm_wgmma"). Also one more than a class boundary of the warm-up.
+WGMMA_WIDE_SPLIT_MIN_M = 33
+WGMMA_WIDE_WEIGHT = 16 << 20
 WGMMA_SPLIT_TILES = {64: WgmmaTile(64, 128, 4, overlap=True), WGMMA_MIN_M - 1: WGMMA_TILE}
+# NOTE: gemm_wgmma's splits run at least this many 64-deep slabs (MIN_SPLIT_SLABS is gemm_pipelined's): its four
+# stages fill and drain in every split; O at 128 rows (32 slabs) was faster in 4 splits than in 8, down (128) in 8.
+WGMMA_MIN_SPLIT_SLABS = 8
 WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT", "1") == "1"
 
 
@@ -264,26 +272,35 @@ def uses_gemv_tc(m: int, n: int, k: int, bf16_inputs: bool) -> bool:
 def wgmma_plan(m: int, n: int, k: int, bf16_inputs: bool, split_workspace=None) -> tuple[WgmmaTile, int] | None:
     """(tile, splits) when matmul, given a planes workspace, sends x (m, k) @ W (n, k)^T to gemm_wgmma, else None:
     bf16 inputs, k a multiple of 8, a GPU of compute capability 9.0 (WGMMA_IN_ENGINE: not in the simulator);
-    from WGMMA_MIN_M rows wgmma_tile(m, n) over the whole K, and with a split workspace from WGMMA_SPLIT_MIN_M
-    rows wgmma_split_plan (WGMMA_SPLIT_IN_ENGINE). n: the weight's rows (gated: 2F)."""
-    if not (WGMMA_IN_ENGINE and bf16_inputs and k % 8 == 0 and m >= min(WGMMA_MIN_M, WGMMA_SPLIT_MIN_M)
+    from WGMMA_MIN_M rows wgmma_tile(m, n) over the whole K, and with a split workspace from wgmma_split_min_m(n,
+    k) rows wgmma_split_plan (WGMMA_SPLIT_IN_ENGINE). n: the weight's rows (gated: 2F)."""
+    if not (WGMMA_IN_ENGINE and bf16_inputs and k % 8 == 0 and m >= min(WGMMA_MIN_M, wgmma_split_min_m(n, k))
             and wgmma.device_has_wgmma()):
         return None
     if m >= WGMMA_MIN_M:
         return wgmma_tile(m, n), 1
-    if split_workspace is not None and WGMMA_SPLIT_IN_ENGINE:
+    if split_workspace is not None and WGMMA_SPLIT_IN_ENGINE and m >= wgmma_split_min_m(n, k):
         return wgmma_split_plan(m, n, k)
     return None
+
+
+def wgmma_split_min_m(n: int, k: int) -> int:
+    """The fewest rows of x (m, k) @ W (n, k)^T that gemm_wgmma's split plan takes: WGMMA_WIDE_SPLIT_MIN_M for
+    weights of WGMMA_WIDE_WEIGHT elements or more, else WGMMA_SPLIT_MIN_M."""
+    return WGMMA_WIDE_SPLIT_MIN_M if n * k >= WGMMA_WIDE_WEIGHT else WGMMA_SPLIT_MIN_M
 
 
 def wgmma_split_plan(m: int, n: int, k: int, tile: WgmmaTile | None = None) -> tuple[WgmmaTile, int]:
     """(tile, splits) of gemm_wgmma for a decode batch x (m < WGMMA_MIN_M, k) @ W (n, k)^T: the first tile of
     WGMMA_SPLIT_TILES whose rows cover m (or `tile`), K's 64-deep slabs split for about one block per SM
-    (split_count); where WGMMA_TILE's grid needs no split, wgmma_tile's choice for the grid (the 256-row tile,
-    or two blocks per SM above a wave, as at prefill). n: the weight's rows (gated: 2F)."""
+    (split_count, each split at least WGMMA_MIN_SPLIT_SLABS slabs). Where that grid needs no split, wgmma_tile's
+    choice: above 128 rows the 256-row tile or two blocks per SM above a wave, as at prefill; at 64 rows or
+    fewer the 128-row tile where its grid is one wave or less (gate/up: faster than the 64-row tile), else the
+    64-row tile (the LM head: faster than two 128-row blocks per SM). n: the weight's rows (gated: 2F)."""
     chosen = tile or next(t for rows, t in WGMMA_SPLIT_TILES.items() if m <= rows)
-    splits = split_count(gemm_wgmma.tiles(chosen, m, n), -(-k // wgmma.TILE_K))
-    if tile is None and splits == 1 and chosen == WGMMA_TILE:
+    splits = split_count(gemm_wgmma.tiles(chosen, m, n), -(-k // wgmma.TILE_K), WGMMA_MIN_SPLIT_SLABS)
+    if tile is None and splits == 1 and (chosen == WGMMA_TILE
+                                         or gemm_wgmma.tiles(WGMMA_TILE, m, n) <= WGMMA_ONE_WAVE):
         return wgmma_tile(m, n), 1
     return chosen, splits
 
@@ -354,10 +371,10 @@ def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
     return tile, split_count(gemm_pipelined.split_counters_size(tile, m, n, gated), -(-k // tile.bk))
 
 
-def split_count(tiles: int, slabs: int) -> int:
+def split_count(tiles: int, slabs: int, min_slabs: int = MIN_SPLIT_SLABS) -> int:
     """K splits for a grid of `tiles` output tiles over `slabs` K slabs: about one block per SM, round(SM_COUNT /
-    tiles), at least 1, each split at least MIN_SPLIT_SLABS slabs long, none empty."""
-    splits = max(1, min(round(SM_COUNT / tiles), slabs // MIN_SPLIT_SLABS))
+    tiles), at least 1, each split at least min_slabs slabs long, none empty."""
+    splits = max(1, min(round(SM_COUNT / tiles), slabs // min_slabs))
     while (splits - 1) * -(-slabs // splits) >= slabs:   # no empty split
         splits -= 1
     return splits
@@ -373,7 +390,7 @@ def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
              for t, s in [skinny_plan(m, n, k, bf16_inputs, gated)] if s > 1]
     if bf16_inputs:
         plans += [(gemm_wgmma.split_partials_size(t, m, n, s), gemm_wgmma.tiles(t, m, n))
-                  for n, k, _ in weights for m in range(WGMMA_SPLIT_MIN_M, WGMMA_MIN_M)
+                  for n, k, _ in weights for m in range(wgmma_split_min_m(n, k), WGMMA_MIN_M)
                   for t, s in [wgmma_split_plan(m, n, k)] if s > 1]
     return max([1] + [p for p, _ in plans]), max([1] + [c for _, c in plans])
 

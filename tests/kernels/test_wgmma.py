@@ -218,22 +218,28 @@ def test_wgmma_tile_policy():
 def test_wgmma_split_plans():
     """wgmma_split_plan: the first tile whose rows cover M, splits for about a block per SM without an empty or
     short split (none where the tiles fill the SMs); split_workspace_sizes covers every plan of the engine's
-    weights; the first split row is one past a class boundary of the warm-up (every class one kernel)."""
+    weights; the first split rows are one past class boundaries of the warm-up (every class one kernel); wide
+    weights (gate/up, down) from fewer rows than the rest."""
     weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
                (128256, 2048, False)]
     partials, counters = mm.split_workspace_sizes(weights, True)
-    for m in range(mm.WGMMA_SPLIT_MIN_M, mm.WGMMA_MIN_M):
-        for n, k, _ in weights:
+    for n, k, _ in weights:
+        for m in range(mm.wgmma_split_min_m(n, k), mm.WGMMA_MIN_M):
             tile, splits = mm.wgmma_split_plan(m, n, k)
             rows = min(r for r in mm.WGMMA_SPLIT_TILES if r >= m)
             wanted = mm.WGMMA_SPLIT_TILES[rows]
-            assert tile == wanted or (splits == 1 and wanted == mm.WGMMA_TILE and tile == mm.wgmma_tile(m, n))
+            assert tile == wanted or (splits == 1 and tile == mm.wgmma_tile(m, n))
             slabs, tiles = -(-k // 64), gw.tiles(tile, m, n)
-            assert splits in gw.valid_splits(k) and (splits == 1 or slabs // splits >= mm.MIN_SPLIT_SLABS)
+            assert splits in gw.valid_splits(k) and (splits == 1 or slabs // splits >= mm.WGMMA_MIN_SPLIT_SLABS)
             assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
             assert splits == 1 or (gw.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
-    m = mm.WGMMA_SPLIT_MIN_M - 1
-    assert m in (8, 16, 32, 64, 128) or m % 64 == 0
+    for m in (mm.WGMMA_SPLIT_MIN_M - 1, mm.WGMMA_WIDE_SPLIT_MIN_M - 1):
+        assert m in (8, 16, 32, 64, 128) or m % 64 == 0
+    assert [mm.wgmma_split_min_m(n, k) for n, k, _ in weights] == [65, 65, 33, 33, 33]
+    assert mm.wgmma_split_plan(128, 2048, 2048) == (mm.WGMMA_TILE, 4)   # O: 16 tiles, 32 slabs in splits of 8
+    assert mm.wgmma_split_plan(64, 16384, 2048) == (mm.WGMMA_TILE, 1)   # gate/up: 128 tiles, no split
+    assert mm.wgmma_split_plan(64, 128256, 2048) == (mm.WGMMA_SPLIT_TILES[64], 1)   # LM head: 1,002 tiles
+    assert mm.wgmma_split_plan(64, 2048, 8192) == (mm.WGMMA_SPLIT_TILES[64], 8)   # down: 16 tiles x 8 splits
     assert mm.wgmma_split_plan(256, 2048, 8192) == (mm.WGMMA_TILE, 4)   # down: 32 tiles x 4 splits
     assert mm.wgmma_split_plan(256, 16384, 2048) == (mm.WGMMA_TALL_TILE, 1)   # gate/up: 128 tall tiles
 
@@ -251,7 +257,9 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
         monkeypatch.setattr(mm, "WGMMA_SPLIT_TILES", {mm.WGMMA_MIN_M - 1: gw.SIM_TILE})
         monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
     monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
-    m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512   # 8 slabs of K: two splits of at least MIN_SPLIT_SLABS
+    # 8 slabs of K: two splits of 4 (the engine's 8-slab minimum would need K = 1,024: twice the simulated work)
+    monkeypatch.setattr(mm, "WGMMA_MIN_SPLIT_SLABS", 4)
+    m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512
     x, w = make_inputs(1, m, n, k)
     ws = device_empty(m * max(k, f), np.uint16)
     sizes_ = mm.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
