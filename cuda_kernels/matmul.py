@@ -175,7 +175,7 @@ WGMMA_IN_ENGINE = not SIMULATOR and os.environ.get("TINYVLLM_WGMMA", "1") != "0"
 # NOTE: WGMMA_SPLIT_MIN_M is one more than a class boundary of the warm-up (8, 16, 32, 64, 128 or a multiple of
 # 64: tinyvllm/warmup.py), so that every class of M takes one kernel.
 WGMMA_SPLIT_MIN_M = 65
-# Wide weights (WGMMA_WIDE_WEIGHT elements or more: the 1B model's gate/up and down) take the split plan from
+# Wide weights (WGMMA_WIDE_WEIGHT elements or more: the 1B model's gate/up, down, LM head) take the split plan from
 # WGMMA_WIDE_SPLIT_MIN_M rows, where alone they beat the skinny plan and O did not (docs/performance.md,
 # "gemm_wgmma"). Also one more than a class boundary of the warm-up.
 WGMMA_WIDE_SPLIT_MIN_M = 33

@@ -219,7 +219,7 @@ def test_wgmma_split_plans():
     """wgmma_split_plan: the first tile whose rows cover M, splits for about a block per SM without an empty or
     short split (none where the tiles fill the SMs); split_workspace_sizes covers every plan of the engine's
     weights; the first split rows are one past class boundaries of the warm-up (every class one kernel); wide
-    weights (gate/up, down) from fewer rows than the rest."""
+    weights (gate/up, down, the LM head) from fewer rows than the rest."""
     weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
                (128256, 2048, False)]
     partials, counters = mm.split_workspace_sizes(weights, True)
