@@ -17,6 +17,7 @@ each one predicts.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,11 +203,13 @@ def pack(scheduled: list[ScheduledSequence], block_size: int) -> tuple[ForwardBa
     seq_of_token = np.repeat(np.arange(len(scheduled)), lengths)
     positions = np.arange(cu[-1], dtype=np.int32) - cu[seq_of_token] + starts[seq_of_token]
     logits_indices = np.repeat(cu[1:] - 1, repeats)
-    # NOTE: a row at a time into a filled array, half the time of np.array over padded lists (at 256 long
-    # sequences, ~100 blocks each, the largest host cost of a decode step's packing)
-    block_tables = np.full((len(tables), max(map(len, tables))), -1, np.int32)
-    for row, table in zip(block_tables, tables):
-        row[:len(table)] = table
+    # NOTE: every table's ids in one np.fromiter, spread over the padded rows by a mask (row-major, so in
+    # order): the largest host cost of a decode step's packing (256 long sequences, ~100 blocks each), about
+    # half the time of filling a row at a time, a quarter of np.array over padded lists
+    widths = np.fromiter(map(len, tables), np.int64, len(tables))
+    block_tables = np.full((len(tables), int(widths.max())), -1, np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
     slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     batch = ForwardBatch(
         token_ids=np.asarray(token_ids, np.int32), positions=positions, slot_mapping=slots.astype(np.int32),
