@@ -147,7 +147,7 @@ def run_tinyvllm(args) -> int:
     if args.backend == "sim":  # no GPU: the GPU's step times, the real host work (tools/sim_runner.py)
         from tools.sim_runner import sim_llm
 
-        llm = sim_llm(args.model)
+        llm = sim_llm(args.model, base_ms=args.sim_step_ms[0], per_token_ms=args.sim_step_ms[1])
     else:
         llm = LLM(args.model, backend=args.backend, enable_prefix_caching=False)
     runner = llm.engine.runner
@@ -354,6 +354,8 @@ def main(argv=None) -> int:
         if what == "tinyvllm":
             s.add_argument("--backend", choices=("auto", "cpu", "cuda", "sim"), default="auto",
                            help="sim: no model, a GPU's step times (tools/sim_runner.py), to see the server's cost")
+            s.add_argument("--sim-step-ms", type=float, nargs=2, default=[6.0, 0.02], metavar=("BASE", "PER_TOKEN"),
+                           help="--backend sim: a step takes BASE + PER_TOKEN * its new tokens ms (default 6 0.02)")
         else:
             s.add_argument("--device", default="cuda:0", help="transformers serve --device (default cuda:0)")
             s.add_argument("--python", default=sys.executable, help="the Python that runs transformers serve")
