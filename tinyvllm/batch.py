@@ -205,7 +205,7 @@ def pack(scheduled: list[ScheduledSequence], block_size: int) -> tuple[ForwardBa
     logits_indices = np.repeat(cu[1:] - 1, repeats)
     # NOTE: every table's ids in one np.fromiter, spread over the padded rows by a mask (row-major, so in
     # order): the largest host cost of a decode step's packing (256 long sequences, ~100 blocks each), about
-    # half the time of filling a row at a time, a quarter of np.array over padded lists
+    # half the time of filling a row at a time
     widths = np.fromiter(map(len, tables), np.int64, len(tables))
     block_tables = np.full((len(tables), int(widths.max())), -1, np.int32)
     block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(

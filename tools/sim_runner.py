@@ -12,7 +12,8 @@ replaces the model by a timer: a step takes `base_ms + per_token_ms * new tokens
 step at a time, and `collect` sleeps (GIL released, as a device sync) until that step is done. The sampled
 tokens are random ids below the vocabulary, so detokenization does its real work (logprobs are not simulated:
 requests asking for them are not for this runner). With the defaults a decode
-step of 256 sequences takes 6 + 0.02 * 256 = 11 ms, about an H100's on the 1B model (GPU.md).
+step of 256 sequences takes 6 + 0.02 * 256 = 11 ms, an H100's on the 1B model before gemm_wgmma (GPU.md);
+`serve_benchmark.py --sim-step-ms 2 0.01` gives 4.6 ms, about its step since (BENCHMARKS.md).
 """
 
 from __future__ import annotations
