@@ -8,6 +8,7 @@ uses the warmed engine's counters too)."""
 import numpy as np
 
 from cuda_kernels import launch
+from tests_support import LLAMA_1B_MATMULS
 from tinyvllm import LLM, SamplingParams, cuda_graph
 from tinyvllm.warmup import token_counts
 
@@ -45,14 +46,12 @@ def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch):
                         ("WGMMA_IN_ENGINE", True), ("WGMMA_SPLIT_IN_ENGINE", True)]:
         monkeypatch.setattr(mm, name, value)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
-    weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
-               (128256, 2048, False)]
     limit = 2048
     classes = token_counts(limit)
     seen = set()
     for m in range(1, limit + 1):
         representative = min(c for c in classes if c >= m)
-        for n, k, gated in weights:
+        for n, k, gated in LLAMA_1B_MATMULS:
             kernel = gpu_matmul_kernel(mm, m, n, k, gated)
             assert kernel == gpu_matmul_kernel(mm, representative, n, k, gated), (m, representative, n, k)
             seen.add(kernel[0])

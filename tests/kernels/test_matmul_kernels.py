@@ -16,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kernel_support import F32_EPS, LLAMA3, SIM, device_empty, dot_tolerance, examples, pick, sizes, to_device
 from numba import cuda
+from tests_support import LLAMA_1B_MATMULS
 
 from cuda_kernels import async_copy
 from cuda_kernels import gemm_pipelined as gp
@@ -38,7 +39,7 @@ from reference.tolerance import gated_bound, rope_bounds
 
 
 # Llama-3.2-1B weights as (N, K): QKV fused, O, gate/up fused, down, LM head.
-LLAMA_1B_WEIGHTS = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]
+LLAMA_1B_WEIGHTS = [(n, k) for n, k, _ in LLAMA_1B_MATMULS]
 
 seeds = st.integers(0, 2**32 - 1)
 # |x| and |W| scales: typical activations and weights, tiny ones, and large ones (products up to ~1e26,
@@ -963,12 +964,10 @@ def test_gemm_pipelined_split_k(tile, epilogue, seed, m, n, slabs, data, bf16_in
 def test_split_k_plans():
     """skinny_plan: the tile for M, splits that give about a block per SM without an empty or short split,
     none for a grid that already has that many; split_workspace_sizes covers every plan of the given weights."""
-    weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
-               (128256, 2048, False)]
     for bf16 in (False, True):
-        sizes_ = mm.split_workspace_sizes(weights, bf16)
+        sizes_ = mm.split_workspace_sizes(LLAMA_1B_MATMULS, bf16)
         for m in range(9, mm.PIPELINED_SKINNY_MAX_M + 1):
-            for n, k, gated in weights:
+            for n, k, gated in LLAMA_1B_MATMULS:
                 tile, splits = mm.skinny_plan(m, n, k, bf16, gated)
                 assert tile.bm >= m and (tile.bm == 16 or tile.bm // 2 < m)
                 slabs = -(-k // tile.bk)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_support import SIM, device_empty, dot_tolerance, examples, pick, sizes, to_device
 from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_inputs, stale_out, weight_shapes
+from tests_support import LLAMA_1B_MATMULS
 
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_wgmma as gw
@@ -220,10 +221,8 @@ def test_wgmma_split_plans():
     short split (none where the tiles fill the SMs); split_workspace_sizes covers every plan of the engine's
     weights; the first split rows are one past class boundaries of the warm-up (every class one kernel); wide
     weights (gate/up, down, the LM head) from fewer rows than the rest."""
-    weights = [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True), (2048, 8192, False),
-               (128256, 2048, False)]
-    partials, counters = mm.split_workspace_sizes(weights, True)
-    for n, k, _ in weights:
+    partials, counters = mm.split_workspace_sizes(LLAMA_1B_MATMULS, True)
+    for n, k, _ in LLAMA_1B_MATMULS:
         for m in range(mm.wgmma_split_min_m(n, k), mm.WGMMA_MIN_M):
             tile, splits = mm.wgmma_split_plan(m, n, k)
             rows = min(r for r in mm.WGMMA_SPLIT_TILES if r >= m)
@@ -235,7 +234,7 @@ def test_wgmma_split_plans():
             assert splits == 1 or (gw.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
     for m in (mm.WGMMA_SPLIT_MIN_M - 1, mm.WGMMA_WIDE_SPLIT_MIN_M - 1):
         assert m in (8, 16, 32, 64, 128) or m % 64 == 0
-    assert [mm.wgmma_split_min_m(n, k) for n, k, _ in weights] == [65, 65, 33, 33, 33]
+    assert [mm.wgmma_split_min_m(n, k) for n, k, _ in LLAMA_1B_MATMULS] == [65, 65, 33, 33, 33]
     assert mm.wgmma_split_plan(128, 2048, 2048) == (mm.WGMMA_TILE, 4)   # O: 16 tiles, 32 slabs in splits of 8
     assert mm.wgmma_split_plan(64, 16384, 2048) == (mm.WGMMA_TILE, 1)   # gate/up: 128 tiles, no split
     assert mm.wgmma_split_plan(64, 128256, 2048) == (mm.WGMMA_SPLIT_TILES[64], 1)   # LM head: 1,002 tiles
