@@ -274,8 +274,7 @@ def wgmma_plan(m: int, n: int, k: int, bf16_inputs: bool, split_workspace=None) 
     bf16 inputs, k a multiple of 8, a GPU of compute capability 9.0 (WGMMA_IN_ENGINE: not in the simulator);
     from WGMMA_MIN_M rows wgmma_tile(m, n) over the whole K, and with a split workspace from wgmma_split_min_m(n,
     k) rows wgmma_split_plan (WGMMA_SPLIT_IN_ENGINE). n: the weight's rows (gated: 2F)."""
-    if not (WGMMA_IN_ENGINE and bf16_inputs and k % 8 == 0 and m >= min(WGMMA_MIN_M, wgmma_split_min_m(n, k))
-            and wgmma.device_has_wgmma()):
+    if not (WGMMA_IN_ENGINE and bf16_inputs and k % 8 == 0 and wgmma.device_has_wgmma()):
         return None
     if m >= WGMMA_MIN_M:
         return wgmma_tile(m, n), 1
