@@ -354,8 +354,11 @@ def main(argv=None) -> int:
         if what == "tinyvllm":
             s.add_argument("--backend", choices=("auto", "cpu", "cuda", "sim"), default="auto",
                            help="sim: no model, a GPU's step times (tools/sim_runner.py), to see the server's cost")
-            s.add_argument("--sim-step-ms", type=float, nargs=2, default=[6.0, 0.02], metavar=("BASE", "PER_TOKEN"),
-                           help="--backend sim: a step takes BASE + PER_TOKEN * its new tokens ms (default 6 0.02)")
+            from tools.sim_runner import BASE_MS, PER_TOKEN_MS
+
+            s.add_argument("--sim-step-ms", type=float, nargs=2, default=[BASE_MS, PER_TOKEN_MS],
+                           metavar=("BASE", "PER_TOKEN"), help="--backend sim: a step takes BASE + PER_TOKEN * its "
+                           f"new tokens ms (default {BASE_MS:g} {PER_TOKEN_MS:g})")
         else:
             s.add_argument("--device", default="cuda:0", help="transformers serve --device (default cuda:0)")
             s.add_argument("--python", default=sys.executable, help="the Python that runs transformers serve")

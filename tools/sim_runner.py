@@ -26,14 +26,16 @@ import numpy as np
 from tinyvllm.batch import pack
 from tinyvllm.scheduler import ScheduledSequence
 
+BASE_MS, PER_TOKEN_MS = 6.0, 0.02   # a step's modelled time: BASE_MS + PER_TOKEN_MS * its new tokens
+
 
 class SimRunner:
     name = "sim"
     matmul_precision = None
     launches_async = True   # as the CUDA runner: collect() waits for the (simulated) device
 
-    def __init__(self, vocab_size: int, block_size: int = 16, num_blocks: int = 65536, base_ms: float = 6.0,
-                 per_token_ms: float = 0.02, seed: int = 0):
+    def __init__(self, vocab_size: int, block_size: int = 16, num_blocks: int = 65536, base_ms: float = BASE_MS,
+                 per_token_ms: float = PER_TOKEN_MS, seed: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
