@@ -22,15 +22,24 @@ def running_server(engine, **app_options):
 
 
 def slow_down(engine, seconds: float) -> None:
-    """Make every engine step take at least `seconds` longer (the tiny model's steps take well under a
-    millisecond), so that a test can act while a request is still running."""
-    step = engine.step
+    """Make every engine step the server takes (step_tokens) at least `seconds` longer (the tiny model's steps
+    take well under a millisecond), so that a test can act while a request is still running."""
+    step = engine.step_tokens
 
     def slowed():
         time.sleep(seconds)
         return step()
 
-    engine.step = slowed
+    engine.step_tokens = slowed
+
+
+def slowed_engine(model_dir, step_delay: float = 0.0, **options):
+    """An engine whose steps take `step_delay` seconds longer (slow_down): an EngineProcess factory."""
+    from tinyvllm.engine import LLMEngine
+
+    engine = LLMEngine.from_options(model_dir, **options)
+    slow_down(engine, step_delay)
+    return engine
 
 
 def metric(url: str, name: str) -> float:

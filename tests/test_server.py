@@ -347,7 +347,7 @@ def test_more_requests_than_max_num_seqs_queue_and_complete(slow_served):
 
 def test_an_engine_failure_fails_requests_and_health(tiny_model_dir):
     engine = LLM(tiny_model_dir, backend="cpu").engine
-    step, calls = engine.step, []
+    step, calls = engine.step_tokens, []
 
     def failing_step():
         calls.append(1)
@@ -355,7 +355,7 @@ def test_an_engine_failure_fails_requests_and_health(tiny_model_dir):
             raise RuntimeError("device lost")
         return step()
 
-    engine.step = failing_step
+    engine.step_tokens = failing_step
     with running_server(engine) as (url, _):
         with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as response:
             events = [line for line in response.iter_lines() if line]

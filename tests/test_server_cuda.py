@@ -1,5 +1,6 @@
 """The OpenAI-compatible server on the CUDA engine (issue 28): the same app as tests/test_server.py, driven by the
-official `openai` client, but the engine it steps (in its own thread) runs every operation as a Numba kernel.
+official `openai` client, but the engine it steps runs every operation as a Numba kernel, in a process of its own
+as `tinyvllm serve` runs it (EngineProcess: the CUDA context is the child's).
 
 Greedy answers, streamed or not, chat or completion, must be exactly the offline API's (`LLM.generate` on a
 second CUDA engine of the same model in this process), and 32 concurrent streaming clients all complete with
@@ -17,7 +18,7 @@ import os
 import openai
 import pytest
 
-from server_support import MODEL, running_server, wait_until
+from server_support import MODEL, metric, running_server, wait_until
 from tinyvllm import LLM, SamplingParams
 
 GPU = os.environ.get("TINYVLLM_TEST_PROFILE", "sim") == "gpu"
@@ -39,8 +40,10 @@ def offline(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine = LLM(tiny_model_dir, **ENGINE).engine
-    assert engine.runner.name == "cuda" and engine.runner.use_graphs
+    from tinyvllm.server.engine_core import EngineProcess
+
+    engine = EngineProcess(tiny_model_dir, ENGINE)
+    assert engine.info.backend == "cuda"
     with running_server(engine) as (url, app):
         yield url, engine
 
@@ -105,5 +108,4 @@ def test_concurrent_streaming_clients_all_complete_with_the_offline_answers(serv
 
     answers = asyncio.run(ask_all())
     assert answers == [(o.text, len(o.outputs[0].token_ids)) for o in want]
-    bm = engine.block_manager
-    wait_until(lambda: bm.num_free_blocks == bm.num_blocks, what="every KV block back")
+    wait_until(lambda: metric(url, "tinyvllm:kv_cache_usage_perc") == 0.0, what="every KV block back")

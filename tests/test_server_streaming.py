@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyvllm.engine import CompletionOutput, RequestOutput
-from tinyvllm.server.engine_loop import EngineLoop, RequestAborted, _Abort
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.server.engine_loop import EngineLoop, RequestAborted
 from tinyvllm.server.metrics import Metrics
 from tinyvllm.server.protocol import APIError
 from tinyvllm.server.serving import ChatFormat, ChunkEvent, CompletionFormat
@@ -48,64 +47,93 @@ def test_chunks_with_finish_reasons_logprobs_or_several_choices(fmt):
         assert json.loads(got[len("data: "):])["choices"][-1]["index"] == case[-1][0]
 
 
-def output(request_id: str, text: str, finished: bool = False) -> RequestOutput:
-    completion = CompletionOutput(0, text, [1] * len(text), "length" if finished else None)
-    return RequestOutput(request_id, None, [1, 2], [completion], finished)
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    from tinyvllm import LLM
+
+    return LLM(tiny_model_dir, backend="cpu").engine
 
 
-def fake_engine_loop() -> EngineLoop:
-    """An EngineLoop whose thread never starts: the test plays the engine thread's callbacks."""
-    engine = SimpleNamespace(options=SimpleNamespace(max_num_seqs=4), runner=SimpleNamespace(launches_async=False))
+def unstarted_engine_loop(engine) -> tuple[EngineLoop, list]:
+    """An EngineLoop whose core never starts: the test plays the core's messages; the commands it would have
+    been sent are collected in the list."""
     loop = EngineLoop(engine, Metrics(), max_waiting_requests=4)
     loop._loop = asyncio.get_running_loop()
-    return loop
+    sent = []
+    loop.core.send = sent.append
+    return loop, sent
 
 
-def commands(loop: EngineLoop) -> list:
-    out = []
-    while not loop._commands.empty():
-        out.append(loop._commands.get())
-    return out
+def letters(engine, text: str) -> list[int]:
+    """A token id per character (the tiny model's tokenizer has one per byte)."""
+    ids = [engine.tokenizer.encode(ch, add_special_tokens=False) for ch in text]
+    assert all(len(i) == 1 for i in ids)
+    return [i[0] for i in ids]
 
 
-def test_a_stream_gets_each_output_or_only_the_newest_when_behind():
+def test_a_stream_gets_each_output_or_only_the_newest_when_behind(tiny_engine):
     async def main():
-        loop = fake_engine_loop()
-        stream = loop.submit([1, 2], None, final_only=False, arrival=0.0)
+        loop, sent = unstarted_engine_loop(tiny_engine)
+        stream = loop.submit([1, 2], SamplingParams(max_tokens=5), final_only=False, arrival=0.0)
         rid = stream.request_id
+        assert sent == [("add", rid, [1, 2], SamplingParams(max_tokens=5))]
+        a, b, c, d, e = letters(tiny_engine, "abcde")
         outputs = stream.outputs()
         got = asyncio.ensure_future(outputs.__anext__())
         await asyncio.sleep(0)               # the handler waits for its first output
-        loop._deliver([output(rid, "a"), output("other", "z")])
+        loop._on_message(("step", [(rid, 0, a, None, None), ("other", 0, b, None, None)], (1, 0, 0.5)))
         assert (await got).text == "a"
+        assert loop.stats() == (1, 0, 0.5)
         # three steps before the handler looks again: it is handed the newest only
-        for text in ("ab", "abc", "abcd"):
-            loop._deliver([output(rid, text)])
-        assert (await outputs.__anext__()).text == "abcd"
-        loop._deliver([output(rid, "abcde", finished=True)])
-        assert (await outputs.__anext__()).text == "abcde"
+        for token in (b, c, d):
+            loop._on_message(("step", [(rid, 0, token, None, None)], (1, 0, 0.5)))
+        newest = await outputs.__anext__()
+        assert newest.text == "abcd" and list(newest.outputs[0].token_ids) == [a, b, c, d]
+        loop._on_message(("step", [(rid, 0, e, "length", None)], (0, 0, 0.0)))
+        last = await outputs.__anext__()
+        assert last.text == "abcde" and last.finished and last.outputs[0].finish_reason == "length"
         with pytest.raises(StopAsyncIteration):
             await outputs.__anext__()
         assert stream.finished
         stream.close()
         assert rid not in loop._streams
-        assert not [c for c in commands(loop) if isinstance(c, _Abort)]   # finished: nothing to abort
+        assert [command[0] for command in sent] == ["add"]   # finished: nothing to abort
 
     asyncio.run(main())
 
 
-def test_an_error_is_raised_before_a_pending_output_and_close_aborts_an_unfinished_request():
+def test_a_stop_string_found_here_ends_the_completion_and_tells_the_core(tiny_engine):
+    """The core does not look for stop strings: the front end finds one, cuts the text there, tells the core how
+    many tokens the completion keeps, and drops the tokens the core computed before it heard."""
     async def main():
-        loop = fake_engine_loop()
-        stream = loop.submit([1, 2], None, final_only=False, arrival=0.0)
+        loop, sent = unstarted_engine_loop(tiny_engine)
+        stream = loop.submit([1, 2], SamplingParams(max_tokens=9, stop=["cd"]), final_only=True, arrival=0.0)
         rid = stream.request_id
-        loop._deliver([output(rid, "a")])
-        loop._deliver_error(rid, APIError(400, "bad"))
+        outputs = stream.outputs()
+        for token in letters(tiny_engine, "abcdef"):
+            loop._on_message(("step", [(rid, 0, token, None, None)], (1, 0, 0.5)))
+        last = await outputs.__anext__()
+        assert last.finished and last.text == "ab" and last.outputs[0].finish_reason == "stop"
+        assert list(last.outputs[0].token_ids) == letters(tiny_engine, "abcd")
+        assert sent[1:] == [("stop", rid, 0, 4)]
+        stream.close()
+        assert len(sent) == 2   # finished: nothing to abort
+
+    asyncio.run(main())
+
+
+def test_an_error_is_raised_before_a_pending_output_and_close_aborts_an_unfinished_request(tiny_engine):
+    async def main():
+        loop, sent = unstarted_engine_loop(tiny_engine)
+        stream = loop.submit([1, 2], SamplingParams(max_tokens=5), final_only=False, arrival=0.0)
+        rid = stream.request_id
+        loop._on_message(("step", [(rid, 0, letters(tiny_engine, "a")[0], None, None)], (1, 0, 0.5)))
+        loop._on_message(("rejected", rid, "bad"))
         loop.abort_all()                     # a second error: the first one wins
         outputs = stream.outputs()
         with pytest.raises(APIError) as caught:
             await outputs.__anext__()
-        assert caught.value.status == 400
+        assert caught.value.status == 400 and "bad" in caught.value.body()["error"]["message"]
         # the error was handed over once; the output that waited behind it is still there
         assert (await stream.outputs().__anext__()).text == "a"
         # a server abort wakes a handler that waits
@@ -116,8 +144,9 @@ def test_an_error_is_raised_before_a_pending_output_and_close_aborts_an_unfinish
             await waiting
         stream.close()
         stream.close()                       # once only
-        aborts = [c for c in commands(loop) if isinstance(c, _Abort)]
-        assert [c.request_id for c in aborts] == [rid]
+        other = loop.submit([3], SamplingParams(max_tokens=5), final_only=False, arrival=0.0)
+        other.close()
+        assert [c for c in sent if c[0] == "abort"] == [("abort", other.request_id)]  # rejected: not in the engine
 
     asyncio.run(main())
 
@@ -127,7 +156,7 @@ def test_while_serving_the_startup_heap_is_frozen_out_of_garbage_collection(tiny
 
     from server_support import running_server
     from tinyvllm import LLM
-    from tinyvllm.server.engine_loop import GC_GEN0_THRESHOLD
+    from tinyvllm.server.engine_core import GC_GEN0_THRESHOLD
 
     before = gc.get_threshold()
     engine = LLM(tiny_model_dir, backend="cpu").engine
@@ -141,20 +170,20 @@ def test_engine_idle_holds_a_chunk_back_only_while_the_engine_thread_works_and_w
     import threading
     import time
 
-    from tinyvllm.server import engine_loop
+    from tinyvllm.server import engine_core
 
     def waited(idle) -> float:
         start = time.perf_counter()
         idle.wait()
         return time.perf_counter() - start
 
-    off = engine_loop.EngineIdle(enabled=False)   # a runner that computes in launch(): never held back
+    off = engine_core.EngineIdle(enabled=False)   # a runner that computes in launch(): never held back
     off.working()
     assert off._event.is_set() and waited(off) < 0.01
-    idle = engine_loop.EngineIdle(enabled=True)
+    idle = engine_core.EngineIdle(enabled=True)
     assert waited(idle) < 0.01                    # the engine thread waits (for requests): at once
-    monkeypatch.setattr(engine_loop, "ENGINE_FIRST_WINDOW_S", 1.0)
-    monkeypatch.setattr(engine_loop, "ENGINE_FIRST_SHARE", 0.3)
+    monkeypatch.setattr(engine_core, "ENGINE_FIRST_WINDOW_S", 1.0)
+    monkeypatch.setattr(engine_core, "ENGINE_FIRST_SHARE", 0.3)
     idle.working()                                # it works, and goes on working
     assert 0.25 < waited(idle) < 0.9              # the budget: 0.3 s of each second
     assert waited(idle) < 0.05                    # spent: not again in this window

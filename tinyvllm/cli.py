@@ -154,17 +154,23 @@ def _params(args):
                           frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, n=args.n)
 
 
-def _load(args):
-    from tinyvllm.llm import LLM
-
+def _engine_options(args) -> dict:
+    """The engine's options (EngineOptions' fields) from the command line, checked."""
     if args.model is not None and not args.model.is_dir():
         raise UserFacingError(f"--model {args.model}: not a directory")
     if args.max_num_seqs < 1:  # the scheduler's own message names an option the CLI does not have
         raise UserFacingError(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
+    return dict(backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
+                matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype)
+
+
+def _load(args):
+    from tinyvllm.llm import LLM
+
+    options = _engine_options(args)
     try:
-        return LLM(args.model, backend=args.backend, scheduler=args.scheduler, block_size=args.block_size,
-                   max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-                   matmul_precision=args.matmul_precision, kv_cache_dtype=args.kv_cache_dtype)
+        return LLM(args.model, **options)
     except ValueError as exc:  # engine options, config, weights and tokenizer errors all name the problem
         raise UserFacingError(str(exc)) from None
 
@@ -283,4 +289,15 @@ def run_serve(args) -> int:
         if exc.name not in ("fastapi", "starlette", "uvicorn", "pydantic"):
             raise
         raise UserFacingError(f"tinyvllm serve needs {exc.name}: pip install 'tinyvllm[serve]'") from None
-    return serve(_load(args).engine, args)
+    from tinyvllm.default_model import default_model_dir
+    from tinyvllm.engine import EngineOptions
+    from tinyvllm.server.engine_core import EngineProcess, EngineProcessError
+
+    options = _engine_options(args)
+    try:
+        EngineOptions(**options)  # checked here, before a process is started to build the engine
+        # the engine steps in a process of its own, this one serving HTTP (tinyvllm/server/engine_core.py)
+        engine = EngineProcess(args.model if args.model is not None else default_model_dir(), options)
+    except (ValueError, EngineProcessError) as exc:
+        raise UserFacingError(str(exc)) from None
+    return serve(engine, args)

@@ -19,6 +19,11 @@ device (the runner's `chain_src`). The host then reads and processes this step's
 runs. A sequence that stops on a stop token or string meanwhile has one token computed in vain, which is
 dropped. Until a step's tokens are read, the sequence holds a PENDING placeholder where each goes.
 
+Text is optional: a request added with `detokenize=False` gets only token ids (`step_tokens()`), and whoever
+reads them turns them into text and looks for its stop strings (the server's front end, in another process:
+tinyvllm/server/engine_core.py, as vLLM's engine core leaves detokenization to its API server). It tells the
+engine where a stop string ended a completion (`stop_completion`).
+
 A request with n > 1 is n sequences: the first computes the prompt, and in the step that draws its first
 token the other n - 1 draw theirs from the same logits and take shares of its KV blocks (tinyvllm/sequence.py,
 block_manager.py). Its RequestOutput holds the n completions. logprobs / prompt_logprobs come back from the
@@ -95,6 +100,12 @@ class TokenIdsSoFar(SequenceABC):
 
     def __repr__(self) -> str:
         return repr(self._ids[:self._count])
+
+
+# step_tokens()'s record of one token read back: (request id, completion index, token id, finish reason or None,
+# extra: None, or a dict of what else the reader needs then: see LLMEngine._row_extra). A plain tuple: a step
+# has hundreds, which the engine core sends to another process.
+TokenRow = tuple[str, int, int, "str | None", "dict | None"]
 
 
 @dataclass
@@ -249,9 +260,10 @@ class LLMEngine:
                            f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}")
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    final_only: bool = False) -> str:
+                    final_only: bool = False, detokenize: bool = True) -> str:
         """Queue a request; its outputs come from step(). `final_only` (vLLM's FINAL_ONLY output kind): step()
-        reports the request only when it finishes, and its text is decoded once, at the end."""
+        reports the request only when it finishes, and its text is decoded once, at the end. `detokenize` False:
+        no text and no stop strings here; its tokens come from step_tokens() (see the module docstring)."""
         params = params or SamplingParams()
         text, ids = self.encode_prompt(prompt)
         if not ids:
@@ -277,7 +289,8 @@ class LLMEngine:
             # completion i of a seeded request draws from seed + i (vLLM's), so each has its own stream
             seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(63)
             seqs.append(Sequence(request_id, ids, params, seed, index=index, masked_ids=masked, stop_ids=stop_ids))
-            self._streams[seqs[-1].seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
+            if detokenize:
+                self._streams[seqs[-1].seq_id] = TextStream(self.tokenizer, ids, params.stop, final_only=final_only)
         seqs[0].forks = seqs[1:]
         self._num_special += params.n > 1 or params.prompt_logprobs is not None
         self._by_request[request_id] = seqs
@@ -293,12 +306,45 @@ class LLMEngine:
                     self.scheduler.finish(seq, "abort")
             self._forget(seqs[0])
 
+    def stop_completion(self, request_id: str, index: int, num_tokens: int) -> None:
+        """End completion `index` of a request after its first `num_tokens` output tokens, finish reason "stop":
+        its reader found a stop string there (a request added with detokenize=False). Tokens computed after
+        those are dropped; its KV blocks are freed now."""
+        seqs = self._by_request.get(request_id)
+        if seqs is None or seqs[index].is_finished:
+            return
+        del seqs[index].output_token_ids[num_tokens:]
+        self.scheduler.finish(seqs[index], "stop")
+        if all(seq.is_finished for seq in seqs):
+            self._forget(seqs[0])
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: the requests it changed, as outputs with their text (see RequestOutput)."""
+        outputs = self._text_outputs(self._read_step())
+        self._settle_inflight()
+        return outputs
+
+    def step_tokens(self) -> list[TokenRow]:
+        """One step, ids only (requests added with detokenize=False): a TokenRow per token read back."""
+        rows = []
+        for seq, token, count, reason in self._read_step():
+            if reason is not None:
+                self._finish(seq, count, reason)
+            rows.append((seq.request_id, seq.index, token, reason, self._row_extra(seq, count, reason)))
+            if reason is not None and all(s.is_finished for s in self._by_request[seq.request_id]):
+                self._forget(seq)
+        self._settle_inflight()
+        return rows
+
+    def _read_step(self) -> list[tuple[Sequence, int, int, str | None]]:
+        """Launch a step (or take the one launched ahead), launch the next one when it can, and read this one's
+        tokens back: per token, its sequence, the token, its count among the outputs, and why the sequence ends
+        with it by id or length (None: it does not, or only a stop string can tell)."""
         if self._inflight is None:
             scheduled = self.scheduler.schedule()
             if not scheduled:
@@ -310,12 +356,14 @@ class LLMEngine:
             self._inflight = self._launch_next_decode(current)
         with self.device_wait:
             tokens = self.runner.collect(current.handle)
-        outputs = self._finish_step(current, tokens)
+        return self._read_tokens(current, tokens)
+
+    def _settle_inflight(self) -> None:
+        """After a step's sequences have stopped: a step launched ahead with none of them left is only waited for."""
         if self._inflight is not None and not self.scheduler.has_unfinished():
             with self.device_wait:
                 self.runner.collect(self._inflight.handle)  # every sequence of it stopped: nothing to read
             self._inflight = None
-        return outputs
 
     def _launch(self, scheduled: list[ScheduledSequence], chain_src=None) -> "_Launched":
         """Start a step on the runner and account for it: the sequences' new tokens are computed (their KV
@@ -370,15 +418,16 @@ class LLMEngine:
             return None
         return self._launch(nxt, np.asarray(rows, np.int32))
 
-    def _finish_step(self, current: "_Launched", tokens: list[int]) -> list[RequestOutput]:
-        """Put a step's sampled tokens (and logprobs) in place, check stop conditions, release what finished."""
+    def _read_tokens(self, current: "_Launched", tokens: list[int]) -> list[tuple[Sequence, int, int, str | None]]:
+        """Put a step's sampled tokens (and logprobs) in place and check the stop conditions that need no text
+        (see _read_step)."""
         logprobs = self.runner.collect_logprobs(current.handle) if current.wants_logprobs else None
         if current.prompt_rows:
             self._add_prompt_logprobs(current.prompt_rows, logprobs)
         for item, index in zip(current.scheduled, current.sampled):
             if index is None and not item.seq.is_finished:
                 self.block_manager.register_full_blocks(item.seq)
-        changed: dict[str, str] = {}  # request id -> completion 0's new text, in the order of their rows
+        read = []
         for row, ((seq, index), token) in enumerate(zip(current.rows, tokens)):
             if seq.is_finished:
                 continue  # stopped (or aborted) while this step ran: the token is not its
@@ -393,16 +442,22 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = seq.last_token_time
             self.block_manager.register_full_blocks(seq)
+            read.append((seq, token, count, self._stop_reason(seq, token, count)))
+        return read
+
+    def _finish(self, seq: Sequence, count: int, reason: str) -> None:
+        del seq.output_token_ids[count:]  # a token the next step samples for it is not its
+        self.scheduler.finish(seq, reason)
+
+    def _text_outputs(self, read) -> list[RequestOutput]:
+        """The tokens read back as text, stop strings looked for; an output per request it changed (a final_only
+        request: once, when it finishes)."""
+        changed: dict[str, str] = {}  # request id -> completion 0's new text, in the order of their rows
+        for seq, token, count, reason in read:
             stream = self._streams[seq.seq_id]
-            reason = self._stop_reason(seq, token, count)
-            # a stop token adds no text; stop strings are looked for once min_tokens are out
-            new_text = "" if reason == "stop" else stream.push(token, check_stop=count > seq.params.min_tokens)
-            if reason is None and stream.stopped:
-                reason = "stop"
+            new_text, reason = stream.advance(token, reason, check_stop=count > seq.params.min_tokens)
             if reason is not None:
-                del seq.output_token_ids[count:]  # a token the next step samples for it is not its
-                new_text += stream.finish()
-                self.scheduler.finish(seq, reason)
+                self._finish(seq, count, reason)
             elif stream.final_only:
                 continue  # reported once, when it finishes
             text = changed.get(seq.request_id, "")
@@ -416,6 +471,20 @@ class LLMEngine:
             if finished:
                 self._forget(seqs[0])
         return outputs
+
+    @staticmethod
+    def _row_extra(seq: Sequence, count: int, reason: str | None) -> dict | None:
+        """What a TokenRow carries beyond the token, only where there is something: the token's logprobs, and on
+        completion 0's first and last token the prompt tokens the prefix cache served (and prompt logprobs)."""
+        extra = None
+        if seq.logprobs is not None:
+            extra = {"logprobs": seq.logprobs[count - 1], "cumulative_logprob": seq.cumulative_logprob}
+        if seq.index == 0 and (count == 1 or reason is not None):
+            extra = extra or {}
+            extra["num_cached_tokens"] = seq.num_cached_prompt_tokens
+            if count == 1 and seq.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = seq.prompt_logprobs
+        return extra
 
     def _decoded(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)

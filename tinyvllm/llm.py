@@ -57,6 +57,13 @@ class LLM:
         self.engine = LLMEngine.from_options(model, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """The offline API over an engine built otherwise (tools/sim_runner.py's, over a simulated GPU)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of the prompts; a bar shows progress and output tokens/s for many prompts."""

@@ -36,6 +36,17 @@ class TextStream:
             return ""
         return self._release(self._detok.push(token_id), final=False, check_stop=check_stop)
 
+    def advance(self, token_id: int, reason: str | None, check_stop: bool = True) -> tuple[str, str | None]:
+        """One generated token: the text it releases, and why generation ends with it, or None. `reason` is the
+        engine's own (a stop token or the length); a stop string found now makes it "stop". A stop token adds no
+        text; at the end, whatever was held back is released (finish)."""
+        new_text = "" if reason == "stop" else self.push(token_id, check_stop)
+        if reason is None and self.stopped:
+            reason = "stop"
+        if reason is not None:
+            new_text += self.finish()
+        return new_text, reason
+
     def finish(self) -> str:
         """Whatever was held back, at the end of generation, less an incomplete UTF-8 character at its end.
 

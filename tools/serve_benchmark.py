@@ -10,12 +10,13 @@ A run is RATE:N: N requests of tools/bench.py's throughput workload (seed --seed
 generating exactly its output length), sent by tools/bench_serve.py (a process of its own) as Poisson arrivals
 at RATE per second, or all at once for inf, with no cap on the requests in flight: inf is the saturation run.
 
-tinyvllm: one engine, built as `tinyvllm serve --model DIR --backend B` builds it (max_num_seqs 256,
+tinyvllm: engines built as `tinyvllm serve --model DIR --backend B` builds its (max_num_seqs 256,
 max_num_batched_tokens 8192, gpu_memory_utilization 0.9, bf16 matmul inputs on the GPU) but for prefix caching,
 off: the runs send the same prompts again, and a prompt cached by an earlier run would make a later one cheaper
-(random prompts share no prefix within a run). For every saturation run's N, first LLM.generate on those N
-requests (the offline output tokens/s), then the same engine, warm, served by `tinyvllm serve`'s app (uvicorn
-in a thread of this process) for the runs.
+(random prompts share no prefix within a run). First, in a process of its own (which then gives the GPU back),
+LLM.generate on each saturation run's N requests (the offline output tokens/s); then `tinyvllm serve`'s app
+(uvicorn in a thread of this process) over an engine in a process of its own, as `tinyvllm serve` runs it
+(--engine thread: in a thread of this process), for the runs.
 
 transformers: `transformers serve DIR --continuous-batching` in a subprocess (its paged continuous batching; the
 default runs one `generate` per request in turn), offline (HF_HUB_OFFLINE), on --device; bench_serve's
@@ -135,29 +136,30 @@ def uvicorn_stack() -> str:
 
 # -- tinyvllm ---------------------------------------------------------------------------------------------------
 
-def run_tinyvllm(args) -> int:
+def engine_recipe(args) -> tuple[object, dict]:
+    """The served engine's factory and options (tinyvllm/server/engine_core.EngineProcess's): `tinyvllm serve`'s
+    engine with prefix caching off, or for --backend sim the GPU's step times over the real host work."""
+    if args.backend == "sim":
+        from tools.sim_runner import sim_engine
+
+        return sim_engine, {"base_ms": args.sim_step_ms[0], "per_token_ms": args.sim_step_ms[1]}
+    from tinyvllm.server.engine_core import build_engine
+
+    return build_engine, {"backend": args.backend, "enable_prefix_caching": False}
+
+
+def offline_runs(args, factory, options: dict) -> dict:
+    """LLM.generate on each saturation run's requests, over an engine built as the server's (run in a process of
+    its own, which gives the GPU back before the server's engine takes it)."""
     from tinyvllm import LLM, SamplingParams
-    from tinyvllm.server.app import build_app
-    from tinyvllm.server.launch import serving_in_thread
-
-    results = {"command": " ".join(sys.argv), "device": device_name(), "model": str(args.model),
-               "backend": args.backend, "engine": "as `tinyvllm serve` builds it, prefix caching off",
-               "offline": [], "runs": [], "errors": [], "uvicorn": uvicorn_stack()}
-    start = time.perf_counter()
-    if args.backend == "sim":  # no GPU: the GPU's step times, the real host work (tools/sim_runner.py)
-        from tools.sim_runner import sim_llm
-
-        llm = sim_llm(args.model, base_ms=args.sim_step_ms[0], per_token_ms=args.sim_step_ms[1])
-    else:
-        llm = LLM(args.model, backend=args.backend, enable_prefix_caching=False)
-    runner = llm.engine.runner
-    results.update(engine_ready_s=time.perf_counter() - start, backend=runner.name,
-                   matmul_precision=getattr(runner, "matmul_precision", None))
-    log(f"engine ({runner.name}) ready in {results['engine_ready_s']:.1f} s")
-    save(args, "tinyvllm", results)
-    # untimed, as each server gets before its first run (bench_serve --warmup): a few short requests
     from tools.bench_serve import make_prompts
 
+    start = time.perf_counter()
+    llm = LLM.from_engine(factory(args.model, **options))
+    runner = llm.engine.runner
+    facts = {"engine_ready_s": time.perf_counter() - start, "backend": runner.name,
+             "matmul_precision": getattr(runner, "matmul_precision", None), "offline": []}
+    # untimed, as each server gets before its first run (bench_serve --warmup): a few short requests
     llm.generate(make_prompts(WARMUP, 64, args.seed + 1), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                  use_tqdm=False)
     for n in sorted({n for rate, n in args.runs if rate == SATURATION}, reverse=True):
@@ -168,17 +170,40 @@ def run_tinyvllm(args) -> int:
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         assert tokens == sum(o for _, o in requests), "ignore_eos requests generate exactly their length"
-        results["offline"].append({"num_prompts": n, "duration_s": seconds, "output_tokens": tokens,
-                                   "prompt_tokens": sum(len(p) for p, _ in requests),
-                                   "request_throughput": n / seconds, "output_throughput": tokens / seconds})
-        log(f"offline LLM.generate, {n} requests: {tokens / seconds:,.0f} output tok/s")
-        save(args, "tinyvllm", results)
-    with serving_in_thread(build_app(llm.engine, "tinyvllm"), "serve-benchmark-uvicorn") as url:
+        facts["offline"].append({"num_prompts": n, "duration_s": seconds, "output_tokens": tokens,
+                                 "prompt_tokens": sum(len(p) for p, _ in requests),
+                                 "request_throughput": n / seconds, "output_throughput": tokens / seconds})
+    return facts
+
+
+def run_tinyvllm(args) -> int:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tinyvllm.server.app import build_app
+    from tinyvllm.server.engine_core import EngineProcess
+    from tinyvllm.server.launch import serving_in_thread
+
+    results = {"command": " ".join(sys.argv), "device": device_name(), "model": str(args.model),
+               "backend": args.backend, "engine": "as `tinyvllm serve` builds it, prefix caching off",
+               "server_engine": args.engine, "offline": [], "runs": [], "errors": [], "uvicorn": uvicorn_stack()}
+    factory, options = engine_recipe(args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        facts = pool.submit(offline_runs, args, factory, options).result()
+    results.update(facts)
+    log(f"engine ({facts['backend']}) ready in {facts['engine_ready_s']:.1f} s")
+    for o in facts["offline"]:
+        log(f"offline LLM.generate, {o['num_prompts']} requests: {o['output_throughput']:,.0f} output tok/s")
+    save(args, "tinyvllm", results)
+    # the server: its engine in a process of its own, as `tinyvllm serve` runs it, or (--engine thread) in a
+    # thread of this one
+    engine = EngineProcess(args.model, options, factory) if args.engine == "process" else factory(args.model, **options)
+    with serving_in_thread(build_app(engine, "tinyvllm"), "serve-benchmark-uvicorn") as url:
         for i, (rate, n) in enumerate(args.runs):
             cpu = time.process_time()
             warm = ["--warmup", str(WARMUP)] if i == 0 else []
             summary = client(args, url, rate, n, f"tinyvllm_{n}_at_{rate:g}", warm)
-            # the server's process: the engine's thread and uvicorn's event loop, sharing one interpreter
+            # this process: uvicorn's event loop and the front end (and with --engine thread, the engine's thread)
             summary["server_cpu_s"] = time.process_time() - cpu
             results["runs"].append(summary)
             if "error" in summary:
@@ -356,6 +381,9 @@ def main(argv=None) -> int:
                            help="sim: no model, a GPU's step times (tools/sim_runner.py), to see the server's cost")
             from tools.sim_runner import BASE_MS, PER_TOKEN_MS
 
+            s.add_argument("--engine", choices=("process", "thread"), default="process",
+                           help="where the server's engine steps: a process of its own (as `tinyvllm serve`) or a "
+                                "thread of the server's (tinyvllm/server/engine_core.py)")
             s.add_argument("--sim-step-ms", type=float, nargs=2, default=[BASE_MS, PER_TOKEN_MS],
                            metavar=("BASE", "PER_TOKEN"), help="--backend sim: a step takes BASE + PER_TOKEN * its "
                            f"new tokens ms (default {BASE_MS:g} {PER_TOKEN_MS:g})")

@@ -62,18 +62,23 @@ class SimRunner:
         return None
 
 
-def sim_llm(model_dir: str | Path, **runner_options):
-    """An LLM (tinyvllm.LLM) over SimRunner: the model's config and tokenizer, no weights."""
+def sim_engine(model_dir: str | Path, **runner_options):
+    """An LLMEngine over SimRunner: the model's config and tokenizer, no weights. Prefix caching is off (a
+    benchmark's runs send the same prompts again). A module-level function, so that an engine process can be
+    told to build one (tinyvllm/server/engine_core.EngineProcess's factory)."""
     from tinyvllm.config import ModelConfig
     from tinyvllm.engine import EngineOptions, LLMEngine
-    from tinyvllm.llm import LLM
     from tinyvllm.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir)
     runner = SimRunner(config.vocab_size, **runner_options)
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(model_dir, tokenizer, config, runner, EngineOptions(enable_prefix_caching=False))
-    llm.tokenizer = tokenizer
-    return llm
+    options = EngineOptions(enable_prefix_caching=False)
+    return LLMEngine(model_dir, Tokenizer.from_dir(model_dir), config, runner, options)
+
+
+def sim_llm(model_dir: str | Path, **runner_options):
+    """An LLM (tinyvllm.LLM) over SimRunner (see sim_engine)."""
+    from tinyvllm.llm import LLM
+
+    return LLM.from_engine(sim_engine(model_dir, **runner_options))

@@ -3,7 +3,9 @@
     protocol.py     the request bodies (OpenAI's fields plus vLLM's sampling extras) and the error body
     sampling.py     a request's fields as SamplingParams; a field the engine does not have yet is refused
     prompts.py      prompts to token ids, with the length checks done before the engine sees them
-    engine_loop.py  the thread that owns the engine and steps it; handlers get outputs through asyncio queues
+    engine_core.py  the loop that owns the engine and steps it: in a process of its own, or in a thread
+    engine_loop.py  the front end: handlers submit requests and read their outputs, token ids become text
+    request_state.py  one request's token ids as text and outputs, stop strings looked for
     serving.py      the two generation endpoints: one JSON response, or server-sent events
     logprobs.py     log-probabilities in OpenAI's response shapes
     middleware.py   API key and request-size limit, before any body is parsed

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from tinyvllm.engine import LLMEngine
+from tinyvllm.server.engine_core import EngineProcess
 from tinyvllm.server.engine_loop import EngineLoop
 from tinyvllm.server.metrics import Metrics
 from tinyvllm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -28,14 +29,16 @@ from tinyvllm.server.serving import ServerContext, generate
 log = logging.getLogger("tinyvllm.server")
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+def build_app(engine: LLMEngine | EngineProcess, model_name: str, api_key: str | None = None,
               max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """An app serving `engine` as `model_name`. The engine loop starts with the app (its lifespan) and is
-    `app.state.engine_loop`."""
+    """An app serving `engine` as `model_name`: an engine process (what `tinyvllm serve` runs), or an LLMEngine
+    of this process, stepped in a thread (engine_core.py). The engine loop starts with the app (its lifespan)
+    and is `app.state.engine_loop`; the app's end stops it (an engine process with it)."""
     metrics = Metrics()
     engine_loop = EngineLoop(engine, metrics, max_waiting_requests)
-    ctx = ServerContext(engine_loop, PromptEncoder(engine), model_name)
+    info = engine_loop.info
+    ctx = ServerContext(engine_loop, PromptEncoder(info), model_name)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -59,13 +62,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "tinyvllm", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "tinyvllm", "max_model_len": info.max_model_len}]}
 
     @app.get("/health")
     async def health():
         if engine_loop.healthy:
             return {"status": "ok"}
-        problem = f"the engine failed: {engine_loop.error!r}" if engine_loop.error else "the engine is not running"
+        problem = f"the engine failed: {engine_loop.error}" if engine_loop.error else "the engine is not running"
         return JSONResponse(error_body(problem, type="server_error", code="engine_unhealthy"), status_code=503)
 
     @app.get("/metrics")

@@ -18,6 +18,7 @@ import uvicorn
 
 from tinyvllm.engine import LLMEngine
 from tinyvllm.server.app import build_app
+from tinyvllm.server.engine_core import EngineProcess
 from tinyvllm.server.engine_loop import EngineLoop
 
 
@@ -48,7 +49,7 @@ class GracefulServer(uvicorn.Server):
         self.engine_loop.drain(self.shutdown_timeout)
 
 
-def serve(engine: LLMEngine, args) -> int:
+def serve(engine: LLMEngine | EngineProcess, args) -> int:
     """Serve `engine` with the options of `tinyvllm serve` (see options.py) until stopped; returns 0."""
     api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
     name = args.served_model_name or engine.model_dir.name
@@ -57,7 +58,8 @@ def serve(engine: LLMEngine, args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
     # uvicorn says where it listens (the port it got, when --port is 0)
-    print(f"tinyvllm: serving {name!r} with the {engine.runner.name} backend: the OpenAI API under /v1"
+    backend = app.state.engine_loop.info.backend
+    print(f"tinyvllm: serving {name!r} with the {backend} backend: the OpenAI API under /v1"
           + (", API key required" if api_key else ""), file=sys.stderr)
     GracefulServer(config, app.state.engine_loop, args.shutdown_timeout).run()
     return 0

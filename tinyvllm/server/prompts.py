@@ -11,16 +11,16 @@ characters cannot fit, whatever its tokens. Tokenizing it would cost time for no
 
 from __future__ import annotations
 
-from tinyvllm.engine import LLMEngine
+from tinyvllm.server.engine_core import EngineInfo
 from tinyvllm.server.protocol import APIError
 from tinyvllm.tokenizer import TokenizerError
 
 
 class PromptEncoder:
-    def __init__(self, engine: LLMEngine):
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.config.vocab_size
+    def __init__(self, info: EngineInfo):
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.config.vocab_size
         vocab = self.tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True)
         self.max_token_chars = max(map(len, vocab), default=1)
 

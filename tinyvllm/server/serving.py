@@ -124,9 +124,9 @@ async def generate(http_request: Request, request: GenerationRequest, ctx: Serve
     else:
         prompt_ids = await asyncio.to_thread(ctx.encoder.completion, request.single_prompt())
     field, requested = request.max_tokens_field
-    engine = ctx.engine_loop.engine
+    info = ctx.engine_loop.info
     params = to_sampling_params(request, ctx.encoder.max_tokens(prompt_ids, requested, field), field,
-                                engine.config.vocab_size, engine.options.max_num_seqs)
+                                info.config.vocab_size, info.max_num_seqs)
     stream = ctx.engine_loop.submit(prompt_ids, params, final_only=not request.stream, arrival=arrival)
     head = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
     if request.stream:
