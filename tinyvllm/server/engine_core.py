@@ -104,7 +104,8 @@ class EngineCore:
                     self.send(("stats", self.stats()))  # an abort freed blocks: /metrics shows it
         except Exception as exc:  # the engine is in an unknown state: stop, and tell the front end
             log.exception("the engine failed; the server stops serving requests")
-            self.send(("failed", f"{type(exc).__name__}: {exc}"))
+            with contextlib.suppress(OSError, RuntimeError):  # unless the front end is gone too
+                self.send(("failed", f"{type(exc).__name__}: {exc}"))
 
     def _apply(self, commands) -> bool:
         """Apply commands in order; False on STOP."""
@@ -222,6 +223,26 @@ class EngineProcessError(RuntimeError):
     """The engine process could not build its engine, or died before it was ready."""
 
 
+# Bytes the pipe from the engine process holds before the engine waits for the front end to read (Linux; ~64 KiB
+# elsewhere): a step's message is a few KiB at hundreds of streams, and the front end may lag some steps without
+# cost (outputs coalesce), but not without bound.
+PIPE_BYTES = 1 << 20
+
+
+# The longest the event loop reads the engine's messages at once (EngineProcess._read).
+READ_BUDGET_S = 0.020
+
+
+def _widen_pipe(connection) -> None:
+    """Let the pipe under `connection` hold PIPE_BYTES where the system allows (fcntl's F_SETPIPE_SZ)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(connection.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size: as it is
+        pass
+
+
 def _process_main(factory, model_dir: Path, options: dict, commands, outputs) -> None:
     """The engine process: build the engine (its CUDA context is this process's), say it is ready, run the core."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops this process
@@ -269,6 +290,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         self._commands_in, self._commands = context.Pipe(duplex=False)
         self._outputs, outputs_out = context.Pipe(duplex=False)
+        _widen_pipe(self._outputs)
         self.process = context.Process(target=_process_main, name="tinyvllm-engine", daemon=True,
                                        args=(factory, model_dir, options or {}, self._commands_in, outputs_out))
         self.process.start()
@@ -301,11 +323,16 @@ class EngineProcess:
         loop.add_reader(self._outputs.fileno(), self._read)
 
     def _read(self) -> None:
-        """The event loop's: every message that has arrived, in order. The core writes a message at once, so one
-        that has begun to arrive is read whole without waiting."""
+        """The event loop's, when the pipe is readable: the messages that have arrived, in order (the core writes
+        each at once, so one that has begun to arrive is read whole without waiting). All of them: a stream's
+        outputs of several steps then go out as one chunk; but for at most READ_BUDGET_S, so that an event loop
+        that has fallen behind still writes chunks between steps."""
+        deadline = time.perf_counter() + READ_BUDGET_S
         try:
-            while self._outputs.poll():
+            while True:
                 self._on_message(self._outputs.recv())
+                if not self._outputs.poll() or time.perf_counter() > deadline:
+                    return
         except (EOFError, OSError):
             self._loop.remove_reader(self._outputs.fileno())
             self.process.join(timeout=1)  # it has closed its end: it is exiting
