@@ -19,6 +19,7 @@ until the engine thread waits for the device or for commands (engine_core.Engine
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import sys
 import time
@@ -163,8 +164,6 @@ class EngineLoop:
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
         if self._gc_threshold is not None:
-            import gc
-
             gc.set_threshold(*self._gc_threshold)
             gc.unfreeze()  # what this process frees from now on is collected again
 
