@@ -23,8 +23,9 @@ elements 2t and 2t + 1 of column g of matrix q (rows 2t and 2t + 1). With a matr
 Helpers for the kernels built on them (gemm_pipelined, gemm_wgmma, cuda_kernels/wgmma.py): ``slab_issuer``
 (a thread's cp.async copies of one K slab from its staging map), ``shared_address(sh)`` (the 32-bit
 shared-window address of a shared array, which descriptors and alignment need), and on the GPU
-``ptx_statement(text)`` (one operand-free PTX statement as a device function: commit, waits, fences) and
-``volatile_asm`` (the inline-assembly constructor all of them use).
+``ptx_statement(text)`` (one operand-free PTX statement as a device function: commit, waits, fences),
+``volatile_asm`` (the inline-assembly constructor all of them use) and, for intrinsics of other modules
+(cuda_kernels/tma.py), ``element_pointer`` and ``shared_pointer_address``.
 
 Two implementations, chosen at import time:
 - GPU: Numba ``@intrinsic`` functions emitting the PTX (``cp.async.cg.shared.global``, ``cp.async.commit_group``,
@@ -115,12 +116,12 @@ else:
 
     _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
-    def _element_pointer(context, builder, arrty, arr, index):
+    def element_pointer(context, builder, arrty, arr, index):
         """The generic pointer to arr[index] (a C-contiguous 1-D array)."""
         data = context.make_array(arrty)(context, builder, arr).data
         return builder.gep(data, [index])
 
-    def _shared_address(builder, pointer):
+    def shared_pointer_address(builder, pointer):
         """A generic pointer into shared memory -> its 32-bit address in the shared window."""
         pointee = getattr(pointer.type, "pointee", None)
         shared_type = ir.PointerType(pointee, 3) if pointee is not None else ir.PointerType(addrspace=3)
@@ -139,11 +140,12 @@ else:
         sig = types.void(dst, types.int64, src, types.int64, types.uint32)
 
         def codegen(context, builder, signature, args):
-            dst_ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
-            src_ptr = _element_pointer(context, builder, signature.args[2], args[2], args[3])
+            dst_ptr = element_pointer(context, builder, signature.args[0], args[0], args[1])
+            src_ptr = element_pointer(context, builder, signature.args[2], args[2], args[3])
             asm = volatile_asm(ir.FunctionType(ir.VoidType(), [_I32, _I64, _I32]),
                             "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
-            builder.call(asm, [_shared_address(builder, dst_ptr), builder.ptrtoint(src_ptr, _I64), args[4]])
+            builder.call(asm, [shared_pointer_address(builder, dst_ptr), builder.ptrtoint(src_ptr, _I64),
+                               args[4]])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -158,8 +160,8 @@ else:
     @intrinsic
     def _shared_address_asm(typingctx, sh):
         def codegen(context, builder, signature, args):
-            pointer = _element_pointer(context, builder, signature.args[0], args[0], ir.Constant(_I64, 0))
-            return _shared_address(builder, pointer)
+            pointer = element_pointer(context, builder, signature.args[0], args[0], ir.Constant(_I64, 0))
+            return shared_pointer_address(builder, pointer)
 
         return types.uint32(sh), codegen
 
@@ -200,7 +202,8 @@ else:
             sig = types.UniTuple(types.uint32, 4)(sh, types.int64)
 
             def codegen(context, builder, signature, args):
-                address = _shared_address(builder, _element_pointer(context, builder, signature.args[0], *args))
+                pointer = element_pointer(context, builder, signature.args[0], *args)
+                address = shared_pointer_address(builder, pointer)
                 asm = volatile_asm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
                                 f"{instruction} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,r")
                 regs = builder.call(asm, [address])

@@ -93,6 +93,44 @@ def _cdiv(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
+def epilogue(bm: int, bn: int, gated: bool, planes_out: bool):
+    """The device function store_tile(out, acc, group): warpgroup `group` of a block stores its 64 x BN
+    accumulators (wgmma.py's layout) to out (M, cols), inside the bounds only: acc as it is, or gated
+    silu(gate) * up of its BN / 2 features; float32, or with planes_out the bf16 plane. Shared with
+    cuda_kernels/gemm_tma.py."""
+    NJ, HALF = bn // 8, bn // 2
+
+    @cuda.jit(device=True, inline=True)
+    def store(out, m, n, v):
+        if planes_out:
+            out[m, n] = f32_to_bf16(v)
+        else:
+            out[m, n] = v
+
+    @cuda.jit(device=True, inline=True)
+    def store_tile(out, acc, group):
+        M, cols = out.shape[0], out.shape[1]
+        lane = cuda.threadIdx.x % WARP
+        m_base = cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4
+        if gated:
+            f_base = cuda.blockIdx.y * HALF + 2 * (lane % 4)
+            for j in range(NJ // 2):
+                for q in range(4):
+                    m, f = m_base + 8 * (q // 2), f_base + 8 * j + q % 2
+                    if m < M and f < cols:
+                        store(out, m, f, silu(acc[4 * j + q]) * acc[4 * (j + NJ // 2) + q])
+        else:
+            n_base = cuda.blockIdx.y * bn + 2 * (lane % 4)
+            for j in range(NJ):
+                for q in range(4):
+                    m, n = m_base + 8 * (q // 2), n_base + 8 * j + q % 2
+                    if m < M and n < cols:
+                        store(out, m, n, acc[4 * j + q])
+
+    return store_tile
+
+
+@functools.lru_cache(maxsize=None)
 def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, gated: bool = False,
                  planes_out: bool = False, split_k: bool = False):
     """The kernel for one tile and epilogue (see the module docstring for the mapping); split_k: K is split over
@@ -109,7 +147,6 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
     STAGE = A_ELEMS + B_ELEMS                 # bf16 per stage: a multiple of 512 (1,024 bytes)
     A_PER, B_PER = _cdiv(bm * CH, THREADS), _cdiv(bn * CH, THREADS)
     ACC = bn // 2                             # accumulators per thread
-    NJ = bn // 8
     HALF = bn // 2                            # gated: features per block
     mma = wgmma_k64(bn, not overlap)
     wait_previous, wait_all = wgmma_wait(1), wgmma_wait(0)
@@ -149,14 +186,7 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
             bmap[e, 2] = CHUNK * q
 
     issue = slab_issuer(TILE_K)
-
-    @cuda.jit(device=True, inline=True)
-    def store(out, m, n, v):
-        if planes_out:
-            out[m, n] = f32_to_bf16(v)
-        else:
-            out[m, n] = v
-
+    store_tile = epilogue(bm, bn, gated, planes_out)
     meet = meeting(ACC, THREADS)
 
     @cuda.jit(device=True, inline=True)
@@ -209,22 +239,7 @@ def _gemm_kernel(bm: int, bn: int, stages: int, min_blocks: int, overlap: bool, 
             if cuda.gridDim.z > 1 and not meet(acc, partials, counters):
                 return   # another block of the tile adds the splits and stores the result
 
-        lane = cuda.threadIdx.x % WARP
-        m_base = cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4
-        if gated:
-            f_base = cuda.blockIdx.y * HALF + 2 * (lane % 4)
-            for j in range(NJ // 2):
-                for q in range(4):
-                    m, f = m_base + 8 * (q // 2), f_base + 8 * j + q % 2
-                    if m < M and f < cols:
-                        store(out, m, f, silu(acc[4 * j + q]) * acc[4 * (j + NJ // 2) + q])
-        else:
-            n_base = cuda.blockIdx.y * bn + 2 * (lane % 4)
-            for j in range(NJ):
-                for q in range(4):
-                    m, n = m_base + 8 * (q // 2), n_base + 8 * j + q % 2
-                    if m < M and n < cols:
-                        store(out, m, n, acc[4 * j + q])
+        store_tile(out, acc, group)
 
     if split_k:
         @cuda.jit(**options)

@@ -72,10 +72,11 @@ def split_range(slabs):
 
 @functools.lru_cache(maxsize=None)
 def meeting(acc_len: int, threads: int):
-    """The device function meet(acc, partials, counters) -> bool for blocks of `threads` threads that each hold
-    `acc_len` float32 accumulators (acc, a local array): the module docstring's meeting. It returns True in the
-    block that arrives last, with acc then the sum of every split's partials in split order, False in the
-    others (which have nothing left to do). Every thread of the block must call it."""
+    """The device function meet(acc, partials, counters) -> bool for blocks whose first `threads` threads each
+    hold `acc_len` float32 accumulators (acc, a local array): the module docstring's meeting. It returns True in
+    the block that arrives last, with acc then the sum of every split's partials in split order, False in the
+    others (which have nothing left to do). Every thread of the block must call it; threads past `threads`
+    (gemm_tma's producer warp) hold no accumulators and only take part in the block barriers."""
     # NOTE: the partials of RED splits are loaded before any is added: independent loads in flight together,
     # so the sum costs splits / RED L2 round trips, not one per split
     RED = max(1, 64 // acc_len)
@@ -85,9 +86,11 @@ def meeting(acc_len: int, threads: int):
         tile_id = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.y
         splits = cuda.gridDim.z
         tid = cuda.threadIdx.x
+        holds = tid < threads
         mine = (tile_id * splits + cuda.blockIdx.z) * acc_len * threads + tid
-        for e in range(acc_len):
-            partials[mine + e * threads] = acc[e]
+        if holds:
+            for e in range(acc_len):
+                partials[mine + e * threads] = acc[e]
         cuda.threadfence()   # the partials are visible device-wide before the count says so
         last = cuda.shared.array(1, int32)
         cuda.syncthreads()
@@ -99,6 +102,8 @@ def meeting(acc_len: int, threads: int):
         if tid == 0:
             counters[tile_id] = 0   # every split has arrived: ready for the next launch
         cuda.threadfence()
+        if not holds:
+            return True
         for e in range(acc_len):
             acc[e] = float32(0)
         batch = cuda.local.array((RED, acc_len), float32)
