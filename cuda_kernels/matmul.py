@@ -30,6 +30,8 @@ The kernels, each file a ladder from its simplest correct version to the one the
 9. gemm_wgmma.gemm_wgmma (compute capability 9.0): the pipelined GEMM's cp.async staging, into swizzled
    shared memory, with the products on warpgroup tensor cores (wgmma); bf16 inputs, prefill sizes; gated and
    planes-out epilogues (mlp); its version 11 splits K over blocks for the larger decode batches.
+10. gemm_tma.gemm_tma (compute capability 9.0, version 12): gemm_wgmma's products with the operands copied by
+   the Tensor Memory Accelerator, one producer warp feeding the consumer warpgroups through mbarriers.
 
 The policies (pure functions of the shape, so a captured CUDA graph stays valid):
 - uses_gemv: gemv for M <= GEMV_MAX_M (GEMV_WIDE_MAX_M for weights of GEMV_WIDE_N rows or more), with the
@@ -41,7 +43,8 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
   workspace's sizes: split_workspace_sizes);
 - wgmma_plan: gemm_wgmma instead of gemm_pipelined for bf16 inputs on a GPU of compute capability 9.0 (given
   a planes workspace): from WGMMA_MIN_M rows in the tile of wgmma_tile(M, N), and with a split workspace from
-  wgmma_split_min_m(N, K) rows with K split over blocks (wgmma_split_plan);
+  wgmma_split_min_m(N, K) rows with K split over blocks (wgmma_split_plan); with TMA_IN_ENGINE its prefill
+  plans go to gemm_tma in tma_tile(M, N);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -52,12 +55,13 @@ from __future__ import annotations
 import os
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from cuda_kernels import activation, gemm_pipelined, gemm_wgmma, gemv_tc, rope, wgmma
+from cuda_kernels import activation, gemm_pipelined, gemm_tma, gemm_wgmma, gemv_tc, rope, wgmma
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.gemm_pipelined import PipelinedTile
 from cuda_kernels.gemm_simt import GemmTile, gemm
 from cuda_kernels.gemm_tc import GemmTcTile, gemm_tc
 from cuda_kernels.gemv import GemvConfig, gemv, gemv_rope
+from cuda_kernels.gemm_tma import TmaTile
 from cuda_kernels.gemm_wgmma import WgmmaTile
 from cuda_kernels.launch import view
 from cuda_kernels.matmul_args import check_args
@@ -185,6 +189,12 @@ WGMMA_SPLIT_TILES = {64: WgmmaTile(64, 128, 4, overlap=True), WGMMA_MIN_M - 1: W
 # stages fill and drain in every split; O at 128 rows (32 slabs) was faster in 4 splits than in 8, down (128) in 8.
 WGMMA_MIN_SPLIT_SLABS = 8
 WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT", "1") == "1"
+# gemm_tma (version 12: TMA copies by a producer warp, mbarriers instead of block barriers) in place of
+# gemm_wgmma for prefill (from WGMMA_MIN_M rows), in the first of TMA_TILES whose grid
+# fills TMA_MIN_BLOCKS SMs, else the one with the most blocks. TINYVLLM_TMA=1 turns it on.
+TMA_TILES = (TmaTile(128, 256, 4), TmaTile(128, 128, 6), TmaTile(64, 128, 8))
+TMA_MIN_BLOCKS = 120
+TMA_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -463,8 +473,7 @@ def mlp(x, gate_up, down, out, act, scratch, stream=0, bf16_inputs: bool = False
     if down_tc:
         gemv_tc.gemv_tc(act_planes, M, down, out, stream, config=gemv_tc_config(M, H, F))
     elif down_wg:
-        gemm_wgmma.gemm_wgmma(view(act_planes, (M * F,)), M, down, out, stream, tile=down_wg[0], splits=down_wg[1],
-                              split_workspace=split_workspace)
+        _warpgroup_gemm(view(act_planes, (M * F,)), M, down, out, stream, down_wg, split_workspace)
     else:
         planes = view(act_planes, (act_planes.shape[0] * act_planes.shape[1],))
         gemm_pipelined.gemm_planes(planes, M, down, out, stream, bf16_inputs=bf16_inputs, tile=down_plan[0],
@@ -519,11 +528,29 @@ def wgmma_tile(m: int, n: int) -> WgmmaTile:
     return WGMMA_TWO_BLOCK_TILE if gemm_wgmma.tiles(WGMMA_TILE, m, n) > WGMMA_ONE_WAVE else WGMMA_TILE
 
 
+def tma_tile(m: int, n: int) -> TmaTile:
+    """The tile gemm_tma uses for x (m, K) @ W (n, K)^T (n: the weight's rows, gated 2F): the first of TMA_TILES
+    whose grid has TMA_MIN_BLOCKS blocks, else the one with the most."""
+    for tile in TMA_TILES:
+        if gemm_tma.tiles(tile, m, n) >= TMA_MIN_BLOCKS:
+            return tile
+    return max(TMA_TILES, key=lambda t: gemm_tma.tiles(t, m, n))
+
+
 def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, plan, split_workspace, gated: bool = False):
-    """gemm_wgmma in `plan` (wgmma_plan's (tile, splits)) on x's bf16 plane in workspace (converted first unless
-    planes_ready)."""
-    gemm_wgmma.gemm_wgmma(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream,
-                          tile=plan[0], gated=gated, splits=plan[1], split_workspace=split_workspace)
+    """_warpgroup_gemm on x's bf16 plane in workspace (converted first unless planes_ready)."""
+    _warpgroup_gemm(_x_plane(x, workspace, stream, planes_ready), x.shape[0], weight, out, stream, plan,
+                    split_workspace, gated)
+
+
+def _warpgroup_gemm(plane, m: int, weight, out, stream, plan, split_workspace, gated: bool = False):
+    """gemm_wgmma in `plan` (wgmma_plan's (tile, splits)), or where TMA_IN_ENGINE gemm_tma in tma_tile's tile for
+    the prefill plans (from WGMMA_MIN_M rows: eager steps, which make the tensor maps)."""
+    if TMA_IN_ENGINE and m >= WGMMA_MIN_M:
+        gemm_tma.gemm_tma(plane, m, weight, out, stream, tile=tma_tile(m, weight.shape[0]), gated=gated)
+    else:
+        gemm_wgmma.gemm_wgmma(plane, m, weight, out, stream, tile=plan[0], gated=gated, splits=plan[1],
+                              split_workspace=split_workspace)
 
 
 def _rows(scratch, m: int):

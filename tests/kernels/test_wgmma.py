@@ -159,6 +159,14 @@ def test_gemm_wgmma_split_k(tile, epilogue, seed, m, n, slabs, data):
     short of a whole last slab; the result within the summation tolerance, bit-identical on a second launch
     (the splits are added in split order whoever arrives last), the counters zero again, and for the planes
     epilogue exactly bf16 of the float32 result."""
+    check_split_k(gw.gemm_wgmma, wgmma_split_workspace, tile, epilogue, seed, m, n, slabs, data)
+
+
+def check_split_k(launcher, workspace, tile, epilogue, seed, m, n, slabs, data):
+    """The split-K property for a launcher with gemm_wgmma's arguments (gemm_wgmma, gemm_tma) and its
+    workspace(tile, m, rows, splits): a split count drawn from those valid for K, K short of a whole last slab;
+    within the summation tolerance, bit-identical on a second launch, counters zero again, and for the planes
+    epilogue exactly bf16 of the float32 result."""
     gated = epilogue != "plain"
     k = max(8, 64 * slabs - 8 * data.draw(st.integers(0, 7)))
     splits = data.draw(st.sampled_from(gw.valid_splits(k)))
@@ -166,11 +174,11 @@ def test_gemm_wgmma_split_k(tile, epilogue, seed, m, n, slabs, data):
     m = cap_m(m, rows, k)
     x, w = make_inputs(seed, m, rows, k)
     plane, dw = plane_of(x), to_device(w)
-    partials, counters = wgmma_split_workspace(tile, m, rows, splits)
+    partials, counters = workspace(tile, m, rows, splits)
     outs = []
     for _ in range(2):
         out = to_device(np.full((m, n), 0xBEEF, np.uint16)) if epilogue == "planes" else stale_out(m, n)
-        gw.gemm_wgmma(plane, m, dw, out, tile=tile, gated=gated, splits=splits, split_workspace=(partials, counters))
+        launcher(plane, m, dw, out, tile=tile, gated=gated, splits=splits, split_workspace=(partials, counters))
         outs.append(out.copy_to_host())
         assert (counters.copy_to_host() == 0).all()
     np.testing.assert_array_equal(outs[0], outs[1])
@@ -180,7 +188,7 @@ def test_gemm_wgmma_split_k(tile, epilogue, seed, m, n, slabs, data):
         check_gated(to_device(outs[0]), x, w, bf16_inputs=True)
     else:   # the same launch with a float32 out gives the values these planes must encode
         out = stale_out(m, n)
-        gw.gemm_wgmma(plane, m, dw, out, tile=tile, gated=True, splits=splits, split_workspace=(partials, counters))
+        launcher(plane, m, dw, out, tile=tile, gated=True, splits=splits, split_workspace=(partials, counters))
         np.testing.assert_array_equal(outs[0], f32_to_bf16(out.copy_to_host()))
 
 

@@ -13,6 +13,7 @@ from numba import cuda
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_simt as simt
 from cuda_kernels import gemm_tc as tc
+from cuda_kernels import gemm_tma as gtma
 from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemv as gv
 from cuda_kernels import matmul as mm
@@ -101,6 +102,14 @@ def gemm_steps(real: bool) -> list[Step]:
 
             steps.append(Step(version, idea, _case("gemm_wgmma", run_wgmma, ops, bf16_inputs=True),
                               WGMMA_PEAK_TFLOPS))
+        tma_tile = mm.tma_tile(m, n) if real else gtma.SIM_TILE
+
+        def run_tma(x, w, out, stream, tile=tma_tile, plane=plane, bf16_inputs=True):
+            gp.bf16_planes(x, plane, stream, bf16_inputs=True)
+            gtma.gemm_tma(plane, x.shape[0], w, out, stream, tile=tile)
+
+        steps.append(Step("12 gemm_tma", "TMA copies by a producer warp; stages handed over by mbarriers",
+                          _case("gemm_tma", run_tma, ops, bf16_inputs=True), WGMMA_PEAK_TFLOPS))
     return steps + split_steps(real)
 
 

@@ -38,6 +38,7 @@ from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_simt as simt
 from cuda_kernels import gemm_tc as tc
 from cuda_kernels import gemv as gv
+from cuda_kernels import gemm_tma as gtma
 from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemv_tc as gt
 from cuda_kernels import matmul as mm
@@ -467,6 +468,57 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
     return out
 
 
+# gemm_tma tiles worth timing (--tma): two consumer warpgroups of 64 x 256 (the usual Hopper tile), of 64 x 128
+# with more stages, four of 64 x 128, and one warpgroup (decode batches)
+TMA_CANDIDATES = (gtma.TmaTile(128, 256, 4), gtma.TmaTile(128, 128, 6), gtma.TmaTile(256, 128, 4),
+                  gtma.TmaTile(128, 256, 3), gtma.TmaTile(64, 256, 6), gtma.TmaTile(64, 128, 8))
+
+
+def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTES) -> list[Case]:
+    """gemm_wgmma (the engine's plan: wgmma_plan's tile and splits, or at M < wgmma_split_min_m the split plan
+    all the same) against gemm_tma in each of TMA_CANDIDATES at the same split count where it divides K's slabs,
+    bf16 inputs, x's plane ready, each weight cold in L2; gate/up gated. Every weight copy's tensor map is made
+    in the check, before the timed graph is captured. Needs a GPU of compute capability 9.0."""
+    rng = np.random.default_rng(9)
+    out = []
+    for wname, n, k, w, copies in _cold_weights(rng, [w for w in weights or TC_WEIGHTS if w != "lm_head"],
+                                                cold_bytes):
+        gated = wname == "gate_up"
+        for m in ms:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            planes = cuda.to_device(f32_to_bf16(x).ravel())
+            dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
+            tile, splits = (mm.wgmma_tile(m, n), 1) if m >= mm.WGMMA_MIN_M else mm.wgmma_split_plan(m, n, k)
+            plans = [(t, splits if splits in gw.valid_splits(k) else 1) for t in TMA_CANDIDATES]
+            size_p = max([gw.split_partials_size(tile, m, n, splits)]
+                         + [gtma.split_partials_size(t, m, n, s_) for t, s_ in plans])
+            size_c = max([gw.tiles(tile, m, n)] + [gtma.tiles(t, m, n) for t, _ in plans])
+            split_ws = (cuda.device_array(max(1, size_p), np.float32), cuda.to_device(np.zeros(size_c, np.int32)))
+
+            def wgmma(dx, w_, out_, stream, m=m, tile=tile, splits=splits, gated=gated, ws=split_ws):
+                gw.gemm_wgmma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits, split_workspace=ws)
+            runs = [(f"gemm_wgmma policy {_tile_label(tile)}, {splits} splits", wgmma)]
+            for t, s_ in plans:
+                def tma(dx, w_, out_, stream, m=m, tile=t, splits=s_, gated=gated, ws=split_ws):
+                    gtma.gemm_tma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits, split_workspace=ws)
+                runs.append((f"gemm_tma {_tile_label(t)}, {s_} splits", tma))
+            for label, launcher in runs:
+                case = _planes_case(wname, label, launcher, x, w, planes, copies, dout, gated)
+                out.append(replace(case, check=_making_maps(case.check, launcher, planes, copies, dout)))
+    return out
+
+
+def _making_maps(check, launcher, planes, copies, dout):
+    """check, after one eager launch on every weight copy (gemm_tma makes each copy's tensor map there, which
+    the timed graph's capture could not)."""
+    def run():
+        for copy in copies:
+            launcher(planes, copy, dout, 0)
+        cuda.synchronize()
+        check()
+    return run
+
+
 def wgmma_split_variants(m: int, n: int, k: int) -> list[tuple[gw.WgmmaTile, int]]:
     """(tile, splits) of gemm_wgmma worth timing for a decode batch of m rows: the split plan (policy first),
     half and twice its splits, the 64-row tile against the 128-row one (and at m > 128, matmul.WGMMA_TALL_TILE:
@@ -698,7 +750,14 @@ def main() -> None:
                         help="instead: decode batches (M = 16-256, or --m from 9 to 256) with cold weights and bf16 "
                              "inputs: the kernel the engine ran before against gemm_wgmma's split plans "
                              "(wgmma_split_variants)")
+    parser.add_argument("--tma", action="store_true",
+                        help="instead: gemm_wgmma's plan against gemm_tma in each of TMA_CANDIDATES (M = 64, 128, 256, "
+                             "1024, or --m), weights cold, bf16 inputs")
     args = parser.parse_args()
+    if args.tma:
+        _print_rates(tma_cases(args.m if args.m != list(TC_MS) else (64, 128, 256, 1024), args.weights),
+                     ["weight GB/s", "TFLOP/s"])
+        return
     if args.wgmma:
         _print_rates(wgmma_cases([m for m in args.m if m > 128] or (192, 256, 300, 1024), args.weights), ["TFLOP/s"])
         return

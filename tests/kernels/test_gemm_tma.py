@@ -1,0 +1,127 @@
+"""The bulk tensor copy (cuda_kernels/tma.py) and the warp-specialized GEMM built on it (cuda_kernels/gemm_tma.py)
+against reference/, in the simulator (emulated copies and barriers, tiny shapes) and on a GPU of compute
+capability 9.0.
+
+The copy is checked box by box: the shared image must be the swizzled layout wgmma reads, zeros outside the
+array. The GEMM as gemm_wgmma is (test_wgmma.py): bf16(x) @ W^T within the fp32 summation tolerance, partial
+tiles along M, N and K, more slabs than stages (each stage loaded again once the consumers free it), the gated
+and planes-out epilogues, K split over blocks; and a plane inside a larger buffer, whose rows past M (which the
+tensor map covers) hold NaN.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_support import SIM, device_empty, examples, pick, sizes, to_device
+from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_inputs, stale_out, weight_shapes
+from test_wgmma import check_split_k
+
+from cuda_kernels import gemm_pipelined as gp
+from cuda_kernels import gemm_tma as gt
+from cuda_kernels import tma, wgmma
+
+pytestmark = pytest.mark.skipif(not SIM and not wgmma.device_has_wgmma(), reason="TMA needs compute capability 9.0")
+seeds = st.integers(0, 2**32 - 1)
+
+
+@settings(max_examples=examples(6, 20))
+@given(seeds, st.integers(1, 80), st.integers(1, 20), st.sampled_from([8, 16, 64]), st.data())
+def test_load_box_is_the_swizzled_box_with_zeros_outside(seed, rows, cols8, box_rows, data):
+    """One box of a (rows, 8 * cols8) array at a random corner, inside, across an edge or wholly outside: the
+    shared image holds wgmma's swizzled layout of the array's values there and zeros elsewhere."""
+    cols = 8 * cols8
+    row0 = data.draw(st.integers(0, rows + 8))
+    k0 = data.draw(st.sampled_from([0, 64, 128]))
+    array = np.random.default_rng(seed).integers(0, 1 << 16, (rows, cols), dtype=np.uint16)
+    out = device_empty(box_rows * tma.BOX_K, np.uint16)
+    tma.load_box(to_device(array.ravel()), rows, cols, box_rows, k0, row0, out)
+    box = np.zeros((box_rows, tma.BOX_K), np.uint16)
+    part = array[row0:row0 + box_rows, k0:k0 + tma.BOX_K]
+    box[:part.shape[0], :part.shape[1]] = part
+    np.testing.assert_array_equal(out.copy_to_host(), wgmma.swizzle_tile(box))
+
+
+def test_tensor_map_rejects_what_the_copy_cannot_address():
+    words = device_empty(64 * 24, np.uint16)
+    for rows, cols, box_rows in ((64, 20, 8), (65, 24, 8), (64, 24, 12), (64, 24, 512)):
+        with pytest.raises(ValueError, match="tensor_map"):
+            tma.tensor_map(words, rows, cols, box_rows)
+    with pytest.raises(ValueError, match="uint16"):
+        tma.tensor_map(device_empty(64 * 24, np.float32), 64, 24, 8)
+
+
+# tiles: the simulator's (one consumer warpgroup, narrow) and a two-stage one; on the GPU the benchmark's candidates
+TMA_TILES = pick([gt.SIM_TILE, gt.TmaTile(64, 16, 2)],
+                 [gt.TmaTile(), gt.TmaTile(128, 256, 3), gt.TmaTile(128, 128, 6), gt.TmaTile(256, 128, 4),
+                  gt.TmaTile(64, 256, 6), gt.TmaTile(64, 128, 8)])
+tile_ids = {"ids": lambda t: "x".join(map(str, t))}
+
+
+def plane_of(x, extra_rows: int = 0):
+    """x's bf16 plane at the start of a buffer with extra_rows more rows of NaN."""
+    m, k = x.shape
+    buffer = to_device(np.full((m + extra_rows) * k, 0x7FC0, np.uint16))
+    gp.bf16_planes(to_device(x), buffer, bf16_inputs=True)
+    return buffer
+
+
+@pytest.mark.parametrize("tile", TMA_TILES, **tile_ids)
+@settings(max_examples=examples(2, 8))
+@given(seeds, sizes(70, [64, 300, 1024], 1100), weight_shapes(40, 260), st.integers(0, 3))
+def test_gemm_tma(tile, seed, m, nk, extra):
+    """Partial block tiles along M and N, K short of a slab, one slab or more slabs than stages; the plane inside
+    a buffer whose next rows are NaN (read by the map, never reaching a stored output); every output written."""
+    n, k = nk
+    k = 8 * -(-k // 8)
+    m = cap_m(m, n, k)
+    x, w = make_inputs(seed, m, n, k)
+    out = stale_out(m, n)
+    gt.gemm_tma(plane_of(x, 16 * extra), m, to_device(w), out, tile=tile)
+    check(out, x, w, bf16_inputs=True)
+
+
+@pytest.mark.parametrize("tile", TMA_TILES, **tile_ids)
+@settings(max_examples=examples(2, 6))
+@given(seeds, sizes(70, [64, 300, 1024], 1100), gated_shapes, st.sampled_from([1.0, 3e15]))
+def test_gemm_tma_gated(tile, seed, m, fk, x_scale):
+    """SiLU*mul over the gate and up boxes of each block's features; F not a multiple of BN / 2."""
+    f, k = fk
+    k = 8 * -(-k // 8)
+    m = cap_m(m, 2 * f, k)
+    x, w = make_inputs(seed, m, 2 * f, k, x_scale)
+    out = stale_out(m, f)
+    gt.gemm_tma(plane_of(x), m, to_device(w), out, tile=tile, gated=True)
+    check_gated(out, x, w, bf16_inputs=True)
+
+
+def split_workspace(tile, m, n, splits):
+    """(partials, counters) for a split launch: partials poisoned with NaN, counters zero."""
+    partials = to_device(np.full(max(1, gt.split_partials_size(tile, m, n, splits)), np.nan, np.float32))
+    return partials, to_device(np.zeros(gt.tiles(tile, m, n), np.int32))
+
+
+@pytest.mark.parametrize("tile", pick([gt.SIM_TILE], [gt.TmaTile(64, 128, 8), gt.TmaTile(128, 128, 6)]), **tile_ids)
+@pytest.mark.parametrize("epilogue", ["plain", "gated", "planes"])
+@settings(max_examples=examples(2, 4))
+@given(seeds, sizes(20, [16, 64, 129, 256], 256), st.integers(1, pick(24, 3000)), st.integers(1, pick(4, 40)),
+       st.data())
+def test_gemm_tma_split_k(tile, epilogue, seed, m, n, slabs, data):
+    """K split over gridDim.z blocks per tile, the producer warp taking part in the meeting's barriers: the result
+    within the summation tolerance, bit-identical on a second launch, the counters zero again, and the planes
+    epilogue exactly bf16 of the float32 result."""
+    check_split_k(gt.gemm_tma, split_workspace, tile, epilogue, seed, m, n, slabs, data)
+
+
+def test_gemm_tma_rejects_bad_arguments():
+    x, w = make_inputs(0, 4, 16, 128)
+    plane, dw = plane_of(x), to_device(w)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gt.gemm_tma(device_empty(4 * 12, np.uint16), 4, to_device(w[:, :12].copy()), stale_out(4, 16))
+    with pytest.raises(ValueError, match="out must be"):
+        gt.gemm_tma(plane, 4, dw, stale_out(4, 5))
+    for tile in (gt.TmaTile(32, 16, 2), gt.TmaTile(64, 12, 2), gt.TmaTile(64, 16, 1), gt.TmaTile(320, 16, 2)):
+        with pytest.raises(ValueError, match="gemm_tma tile"):
+            gt.gemm_tma(plane, 4, dw, stale_out(4, 16), tile=tile)
+    with pytest.raises(ValueError, match=r"2 splits need split_workspace"):
+        gt.gemm_tma(plane, 4, dw, stale_out(4, 16), splits=2)
