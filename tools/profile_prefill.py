@@ -204,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--tall-ab", action="store_true",
                    help="also time the TTFT with gemm_wgmma's 256-row tile in its policy and without (bf16 "
                         "inputs), alternating in the same engine (matmul.WGMMA_TALL_IN_ENGINE), two rounds")
+    p.add_argument("--tma-ab", action="store_true",
+                   help="also time the TTFT with the prefill GEMMs on gemm_wgmma and on gemm_tma (bf16 inputs), "
+                        "alternating in the same engine (matmul.TMA_IN_ENGINE), two rounds")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -230,6 +233,8 @@ def main(argv=None) -> int:
             switch_ab(llm, prompt, matmul, "WGMMA_IN_ENGINE", ("gemm_pipelined", "gemm_wgmma"))
         if args.tall_ab and precision == "bf16":
             switch_ab(llm, prompt, matmul, "WGMMA_TALL_IN_ENGINE", ("128-row tiles", "256-row tile"))
+        if args.tma_ab and precision == "bf16":
+            switch_ab(llm, prompt, matmul, "TMA_IN_ENGINE", ("gemm_wgmma", "gemm_tma"))
         total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
         print_table(f"launcher ({precision}), synchronized", parts)
