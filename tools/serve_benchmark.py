@@ -113,14 +113,18 @@ def save(args, name: str, results: dict) -> None:
 
 
 def device_name() -> str:
+    """GPU 0's name, asked of the driver without a context (one in this process would take GPU memory from the
+    server's engine, which sizes its KV cache by what is free)."""
     try:
-        from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
+        from cuda_kernels import compat
+        from cuda_kernels.driver import driver, ok
         from numba import cuda
 
-        if compat.SIMULATOR or not cuda.is_available():
+        if compat.SIMULATOR or not cuda.is_available():   # (initialises the driver; makes no context)
             return "no GPU"
-        name = cuda.get_current_device().name
-        return name.decode() if isinstance(name, bytes) else str(name)
+        drv = driver()
+        name = ok(drv.cuDeviceGetName(256, ok(drv.cuDeviceGet(0))))
+        return name.split(b"\0")[0].decode()
     except Exception as exc:  # a report line, not a failure
         return f"unknown ({type(exc).__name__})"
 
