@@ -253,12 +253,17 @@ else:
         Cached by what it encodes (address, extent, box): a map is made once, its 128 bytes copied in `stream`
         order. NOTE: so a CUDA graph must not be the first to use a map (capture forbids the copy); the eager
         steps of the engine's warm-up make them all first."""
-        from cuda_kernels.driver import device_pointer, driver, ok
+        from cuda_kernels.driver import device_pointer, driver, ok, stream_handle
 
         _check_map(array, rows, cols, box_rows)
         key = (device_pointer(array), rows, cols, box_rows)
         if key not in _MAPS:
             drv = driver()
+            if stream and ok(drv.cuStreamIsCapturing(stream_handle(stream))) != \
+                    drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                raise RuntimeError(f"tensor_map: the map of the array at {key[0]:#x} ({rows} x {cols}, boxes of "
+                                   f"{box_rows} rows) is first needed inside a CUDA graph capture, which cannot copy "
+                                   f"it to the device: launch the kernel once eagerly first")
             encoded = ok(drv.cuTensorMapEncodeTiled(
                 drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, key[0], [cols, rows], [cols * 2],
                 [BOX_K, box_rows], [1, 1], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -327,5 +332,5 @@ def load_box(array, rows: int, cols: int, box_rows: int, k0: int, row0: int, out
     if box_rows > 64 or out.shape[0] < box_rows * BOX_K:
         raise ValueError(f"load_box: box_rows <= 64 and out of >= box_rows * 64 elements; got {box_rows}, "
                          f"{out.shape[0]}")
-    launch(_box_kernel, 1, 64, stream, tensor_map(array, rows, cols, box_rows), np.int32(k0), np.int32(row0),
+    launch(_box_kernel, 1, 64, stream, tensor_map(array, rows, cols, box_rows, stream), np.int32(k0), np.int32(row0),
            np.int32(box_rows), out)

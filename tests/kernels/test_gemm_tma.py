@@ -125,3 +125,21 @@ def test_gemm_tma_rejects_bad_arguments():
             gt.gemm_tma(plane, 4, dw, stale_out(4, 16), tile=tile)
     with pytest.raises(ValueError, match=r"2 splits need split_workspace"):
         gt.gemm_tma(plane, 4, dw, stale_out(4, 16), splits=2)
+
+
+@pytest.mark.skipif(SIM, reason="the simulator has no CUDA graphs")
+def test_a_tensor_map_first_needed_inside_a_capture_is_a_clear_error():
+    """A map is copied to the device when first made, which a graph capture cannot record: the error says so and
+    the capture ends (the next eager launch makes the map and works)."""
+    from numba import cuda
+
+    from tinyvllm.cuda_graph import CUDAGraph
+
+    stream = cuda.stream()
+    array = to_device(np.arange(64 * 64, dtype=np.uint16))
+    out = device_empty(64 * tma.BOX_K, np.uint16)
+    with pytest.raises(RuntimeError, match="first needed inside a CUDA graph capture"):
+        CUDAGraph(lambda s: tma.load_box(array, 64, 64, 64, 0, 0, out, s), stream)
+    tma.load_box(array, 64, 64, 64, 0, 0, out, stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(out.copy_to_host(), wgmma.swizzle_tile(array.copy_to_host().reshape(64, 64)))
