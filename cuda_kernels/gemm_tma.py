@@ -46,7 +46,7 @@ from cuda_kernels import pdl, tma
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.gemm_pipelined import check_planes_args
 from cuda_kernels.gemm_wgmma import epilogue
-from cuda_kernels.launch import launch, view
+from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, launch, view
 from cuda_kernels.primitives import WARP
 from cuda_kernels.split_k import check_split_args, meeting, partials_size, split_range
 from cuda_kernels.tma import BARRIER_DTYPE, BARRIER_WORDS
@@ -91,9 +91,10 @@ def _gemm_kernel(bm: int, bn: int, stages: int, gated: bool = False, planes_out:
     """The kernel for one tile and epilogue (the module docstring's mapping)."""
     tile = TmaTile(bm, bn, stages)
     if bm % X_BOX or not 64 <= bm <= 256 or bn % (2 * W_BOX if gated else W_BOX) or not 8 <= bn <= 256 \
-            or not 2 <= stages <= MAX_STAGES:
+            or not 2 <= stages <= MAX_STAGES or shared_bytes(tile) > OPT_IN_SHARED_LIMIT:
         raise ValueError(f"gemm_tma tile {tuple(tile)}: need BM a multiple of 64 in 64 .. 256, BN a multiple of "
-                         f"{W_BOX} ({2 * W_BOX} gated) up to 256, 2 <= stages <= {MAX_STAGES}")
+                         f"{W_BOX} ({2 * W_BOX} gated) up to 256, 2 <= stages <= {MAX_STAGES}, and its stages in "
+                         f"{OPT_IN_SHARED_LIMIT} bytes of shared memory")
     GROUPS = bm // 64
     CONSUMERS = WARPGROUP * GROUPS
     THREADS = CONSUMERS + WARP                 # the consumer warpgroups, then the producer warp

@@ -264,9 +264,11 @@ else:
                 raise RuntimeError(f"tensor_map: the map of the array at {key[0]:#x} ({rows} x {cols}, boxes of "
                                    f"{box_rows} rows) is first needed inside a CUDA graph capture, which cannot copy "
                                    f"it to the device: launch the kernel once eagerly first")
+            u64, u32 = drv.cuuint64_t, drv.cuuint32_t
             encoded = ok(drv.cuTensorMapEncodeTiled(
-                drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, key[0], [cols, rows], [cols * 2],
-                [BOX_K, box_rows], [1, 1], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, drv.CUdeviceptr(key[0]),
+                [u64(cols), u64(rows)], [u64(cols * 2)], [u32(BOX_K), u32(box_rows)], [u32(1), u32(1)],
+                drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                 drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                 drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
@@ -283,7 +285,7 @@ else:
         if cached is not None and cached[0] == cols:
             return cached[1]
         pointer = device_pointer(array)
-        base, size = ok(driver().cuMemGetAddressRange(pointer))
+        base, size = ok(driver().cuMemGetAddressRange(driver().CUdeviceptr(pointer)))
         rows = (int(base) + int(size) - pointer) // (2 * cols)
         array._tinyvllm_rows_to_end = (cols, rows)
         return rows

@@ -471,7 +471,7 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
 # gemm_tma tiles worth timing (--tma): two consumer warpgroups of 64 x 256 (the usual Hopper tile), of 64 x 128
 # with more stages, four of 64 x 128, and one warpgroup (decode batches)
 TMA_CANDIDATES = (gtma.TmaTile(128, 256, 4), gtma.TmaTile(128, 128, 6), gtma.TmaTile(256, 128, 4),
-                  gtma.TmaTile(128, 256, 3), gtma.TmaTile(64, 256, 6), gtma.TmaTile(64, 128, 8))
+                  gtma.TmaTile(128, 256, 3), gtma.TmaTile(64, 256, 5), gtma.TmaTile(64, 128, 8))
 
 
 def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTES) -> list[Case]:
