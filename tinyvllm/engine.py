@@ -313,8 +313,7 @@ class LLMEngine:
         seqs = self._by_request.get(request_id)
         if seqs is None or seqs[index].is_finished:
             return
-        del seqs[index].output_token_ids[num_tokens:]
-        self.scheduler.finish(seqs[index], "stop")
+        self._finish(seqs[index], num_tokens, "stop")
         if all(seq.is_finished for seq in seqs):
             self._forget(seqs[0])
 

@@ -170,6 +170,15 @@ class EngineIdle:
             self._waited += time.perf_counter() - now
 
 
+def _drain(source: queue.SimpleQueue, into: list) -> list:
+    """`into` with every item waiting in `source` appended, without waiting for more."""
+    while True:
+        try:
+            into.append(source.get(block=False))
+        except queue.Empty:
+            return into
+
+
 class EngineThread:
     """The core in a thread of this process, over an engine built here. Messages come to the event loop by
     call_soon_threadsafe."""
@@ -199,11 +208,7 @@ class EngineThread:
         if block:
             with self.idle:
                 commands.append(self._commands.get())
-        while True:
-            try:
-                commands.append(self._commands.get(block=False))
-            except queue.Empty:
-                return commands
+        return _drain(self._commands, commands)
 
     def send(self, command) -> None:
         self._commands.put(command)
@@ -340,12 +345,7 @@ class EngineProcess:
 
     def _send_commands(self) -> None:
         while True:
-            batch = [self._outbox.get()]
-            while True:
-                try:
-                    batch.append(self._outbox.get(block=False))
-                except queue.Empty:
-                    break
+            batch = _drain(self._outbox, [self._outbox.get()])
             try:
                 self._commands.send(batch)
             except OSError:  # the engine process is gone: its failure reaches the front end through _read
