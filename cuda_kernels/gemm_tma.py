@@ -11,9 +11,9 @@ compute capability 9.0. Twin: reference.matmul.matmul(x, W, bf16_inputs=True).
 Why after gemm_wgmma (version 12 of matmul.py's list): there every thread copies its 16-byte chunks of every
 slab with cp.async (a 128 x 128 block: 16 copies a thread a slab, each with its address arithmetic), waits for
 its own copies, and the whole block meets at a barrier each slab before anyone multiplies or reuses a buffer,
-so the warps alternate between copying and multiplying. Here one thread issues a slab's copies as two or three
-TMA instructions (cuda_kernels/tma.py) that write the swizzled layout wgmma reads, and the copies and the
-products meet through mbarriers, per stage, instead of block barriers:
+so the warps alternate between copying and multiplying. Here one thread issues a slab's copies as a few TMA
+instructions, one per 64-row box (cuda_kernels/tma.py), that write the swizzled layout wgmma reads, and the
+copies and the products meet through mbarriers, per stage, instead of block barriers:
 
     full[s]   the producer arms it with the stage's bytes; the copies complete them; consumers wait on it
     empty[s]  each consumer warp arrives once its products of the stage are done; the producer waits on it
@@ -22,9 +22,10 @@ products meet through mbarriers, per stage, instead of block barriers:
 Thread mapping: grid = (ceil(M / BM), ceil(cols / (BN or BN / 2 gated)), splits). A block is BM / 64 consumer
 warpgroups (as gemm_wgmma: warpgroup g owns rows 64 g .. 64 g + 63 of the tile and all BN columns, BN / 2
 accumulators a thread) and one producer warp after them, whose lane 0 issues every copy. A stage holds one
-64-deep K slab: the BM x 64 box of x, then W's BN x 64 box (gated: the BN / 2 gate rows of the block's features,
-then their up rows, two boxes), each on 1,024 bytes. The producer loads W's boxes of the first STAGES slabs
-before the PDL wait (weights are never written), x's after it, then stage by stage as consumers free them.
+64-deep K slab: x's BM rows, then W's BN rows (gated: the BN / 2 gate rows of the block's features, then their
+up rows), each part copied in boxes of X_BOX or W_BOX rows, every box on 1,024 bytes. The producer loads W's
+boxes of the first STAGES slabs before the PDL wait (weights are never written), x's after it, then stage by
+stage as consumers free them.
 Consumers issue a slab's four k16 wgmma, wait for the previous slab's (wgmma.wait_group 1) and free that
 stage: the tensor cores always have the next slab's products queued.
 
@@ -55,8 +56,8 @@ from numba import cuda, float32, uint16
 
 
 class TmaTile(NamedTuple):
-    """Block tile BM x BN (BM: 64 to 256, one consumer warpgroup per 64 rows; BN the wgmma's N, a multiple of
-    8 (gated 16) up to 256) and STAGES shared buffers of one 64-deep K slab."""
+    """Block tile BM x BN (BM: 64 to 256, one consumer warpgroup per 64 rows; BN the wgmma's N, up to 256, a
+    multiple of W_BOX, gated of 2 W_BOX) and STAGES shared buffers of one 64-deep K slab."""
     bm: int = 128
     bn: int = 256
     stages: int = 4

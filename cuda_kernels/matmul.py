@@ -528,6 +528,11 @@ def wgmma_tile(m: int, n: int) -> WgmmaTile:
     return WGMMA_TWO_BLOCK_TILE if gemm_wgmma.tiles(WGMMA_TILE, m, n) > WGMMA_ONE_WAVE else WGMMA_TILE
 
 
+def uses_tma(m: int) -> bool:
+    """Whether a warpgroup GEMM of m rows (wgmma_plan's) runs gemm_tma: the prefill plans, with TMA_IN_ENGINE."""
+    return TMA_IN_ENGINE and m >= WGMMA_MIN_M
+
+
 def tma_tile(m: int, n: int) -> TmaTile:
     """The tile gemm_tma uses for x (m, K) @ W (n, K)^T (n: the weight's rows, gated 2F): the first of TMA_TILES
     whose grid has TMA_MIN_BLOCKS blocks, else the one with the most."""
@@ -546,7 +551,7 @@ def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, plan, split_wo
 def _warpgroup_gemm(plane, m: int, weight, out, stream, plan, split_workspace, gated: bool = False):
     """gemm_wgmma in `plan` (wgmma_plan's (tile, splits)), or where TMA_IN_ENGINE gemm_tma in tma_tile's tile for
     the prefill plans (from WGMMA_MIN_M rows: eager steps, which make the tensor maps)."""
-    if TMA_IN_ENGINE and m >= WGMMA_MIN_M:
+    if uses_tma(m):
         gemm_tma.gemm_tma(plane, m, weight, out, stream, tile=tma_tile(m, weight.shape[0]), gated=gated)
     else:
         gemm_wgmma.gemm_wgmma(plane, m, weight, out, stream, tile=plan[0], gated=gated, splits=plan[1],

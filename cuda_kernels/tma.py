@@ -22,10 +22,10 @@ mbarrier. A 64-bit word in shared memory that counts arrivals and expected trans
 count. ``mbarrier_init(bars, i, count)`` (one thread, then ``fence_barrier_init()`` and a block barrier);
 ``mbarrier_arrive_expect(bars, i, nbytes)``: arrive and expect nbytes more (the thread that issues the copies);
 ``mbarrier_arrive(bars, i)``; ``mbarrier_wait(bars, i, parity)``: returns once the phase of that parity (the
-count of phases completed so far, mod 2) has completed; ``syncwarp()`` after a lane's own branch or wait, before
-warp-aligned instructions. A pipeline stage used for the j-th time waits for parity
-j % 2. ``tma_load(sh, offset, tensor_map, k0, row0, box_rows, bars, i)`` copies the box at (row0, k0) into sh
-from element offset `offset` (on 1,024 bytes) and completes its bytes on barrier i.
+count of phases completed so far, mod 2) has completed: a pipeline stage used for the j-th time waits for
+parity j % 2; ``syncwarp()`` after a lane's own branch or wait, before warp-aligned instructions.
+``tma_load(sh, offset, tensor_map, k0, row0, box_rows, bars, i)`` copies the box at (row0, k0) into sh from
+element offset `offset` (on 1,024 bytes) and completes its bytes on barrier i.
 
 Two implementations, chosen at import time:
 - GPU (sm_90a): inline PTX (``mbarrier.*.shared::cta.b64``, ``cp.async.bulk.tensor.2d.shared::cluster.global.
@@ -252,9 +252,16 @@ else:
         from its start) seen as (rows, cols), boxes of box_rows x 64 with the 128-byte swizzle, zeros outside.
         Cached by what it encodes (address, extent, box): a map is made once, its 128 bytes copied in `stream`
         order. NOTE: so a CUDA graph must not be the first to use a map (capture forbids the copy); the eager
-        steps of the engine's warm-up make them all first."""
+        steps of the engine's warm-up make them all first. Each launch asks again: the array keeps its maps, so
+        that asking costs a dict lookup (as launch.py keeps an array's parameters)."""
         from cuda_kernels.driver import device_pointer, driver, ok, stream_handle
 
+        mine = getattr(array, "_tinyvllm_maps", None)
+        if mine is None:
+            mine = array._tinyvllm_maps = {}
+        found = mine.get((rows, cols, box_rows))
+        if found is not None:
+            return found
         _check_map(array, rows, cols, box_rows)
         key = (device_pointer(array), rows, cols, box_rows)
         if key not in _MAPS:
@@ -274,6 +281,7 @@ else:
                 drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
             words = np.array([int(w) for w in encoded.opaque], np.uint64)
             _MAPS[key] = cuda.to_device(words, stream=stream)
+        mine[rows, cols, box_rows] = _MAPS[key]
         return _MAPS[key]
 
     def rows_to_end(array, cols: int) -> int:

@@ -28,7 +28,7 @@ def gpu_matmul_kernel(mm, m, n, k, gated):
     if mm.uses_gemv_tc(m, n, k, True):
         return "gemv_tc", mm.gemv_tc_config(m, n, k)
     plan = mm.wgmma_plan(m, n, k, True, split_workspace=())
-    if plan and mm.TMA_IN_ENGINE and m >= mm.WGMMA_MIN_M:
+    if plan and mm.uses_tma(m):
         return "gemm_tma", mm.tma_tile(m, n)
     if plan:
         return "gemm_wgmma", plan[0], plan[1] > 1

@@ -476,7 +476,7 @@ TMA_CANDIDATES = (gtma.TmaTile(128, 256, 4), gtma.TmaTile(128, 128, 6), gtma.Tma
 
 def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTES) -> list[Case]:
     """gemm_wgmma (the engine's plan: wgmma_plan's tile and splits, or at M < wgmma_split_min_m the split plan
-    all the same) against gemm_tma in each of TMA_CANDIDATES at the same split count where it divides K's slabs,
+    all the same) against gemm_tma in each of TMA_CANDIDATES at the same split count (valid for K by the plan),
     bf16 inputs, x's plane ready, each weight cold in L2; gate/up gated. Every weight copy's tensor map is made
     in the check, before the timed graph is captured. Needs a GPU of compute capability 9.0."""
     rng = np.random.default_rng(9)
@@ -489,7 +489,7 @@ def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTE
             planes = cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
             tile, splits = (mm.wgmma_tile(m, n), 1) if m >= mm.WGMMA_MIN_M else mm.wgmma_split_plan(m, n, k)
-            plans = [(t, splits if splits in gw.valid_splits(k) else 1) for t in TMA_CANDIDATES]
+            plans = [(t, splits) for t in TMA_CANDIDATES]
             size_p = max([gw.split_partials_size(tile, m, n, splits)]
                          + [gtma.split_partials_size(t, m, n, s_) for t, s_ in plans])
             size_c = max([gw.tiles(tile, m, n)] + [gtma.tiles(t, m, n) for t, _ in plans])
