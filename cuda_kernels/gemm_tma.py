@@ -66,6 +66,9 @@ class TmaTile(NamedTuple):
 # The simulator's tile: one consumer warpgroup, 16 columns (the emulated wgmma is a Python loop).
 SIM_TILE = TmaTile(64, 16, 3)
 MAX_STAGES = 8   # (the barriers' shared array has a fixed size)
+# NOTE: a module constant, not the expression in the kernel: Numba types a shared array's shape only from a
+# constant, and does not fold 2 * MAX_STAGES * BARRIER_WORDS (the simulator does).
+BARRIER_ELEMENTS = 2 * MAX_STAGES * BARRIER_WORDS
 # Rows of a box: one map per array serves every tile (a tile's stage is loaded box by box), so that the maps the
 # eager steps make are all a captured graph needs. x's box is a warpgroup's 64 rows; W's is 64 rows on the GPU
 # and 8 in the simulator, whose tile is 16 columns wide.
@@ -174,7 +177,7 @@ def _gemm_kernel(bm: int, bn: int, stages: int, gated: bool = False, planes_out:
     @cuda.jit(device=True, inline=True)
     def gemm_body(x_map, w_map, out, K, partials, counters):
         sh = cuda.shared.array(0, uint16)
-        bars = cuda.shared.array(2 * MAX_STAGES * BARRIER_WORDS, BARRIER_DTYPE)
+        bars = cuda.shared.array(BARRIER_ELEMENTS, BARRIER_DTYPE)
         skip = aligned_start(sh)   # the stages start on 1,024 bytes
         cols = out.shape[1]
         if cuda.threadIdx.x == 0:
@@ -239,7 +242,7 @@ def gemm_tma(plane, m: int, weight, out, stream=0, tile: TmaTile | None = None, 
     tile = TmaTile(*tile) if tile else (SIM_TILE if SIMULATOR else TmaTile())
     kernel = _gemm_kernel(*tile, gated=bool(gated), planes_out=out.dtype == np.uint16, split_k=splits > 1)
     source = plane.array if not SIMULATOR and isinstance(plane, view) else plane   # (a view: its array)
-    x_map = tma.tensor_map(source, tma.rows_to_end(source, K), K, X_BOX, stream)
+    x_map = tma.tensor_map_to_end(source, K, X_BOX, stream)
     w_map = tma.tensor_map(weight, N, K, W_BOX, stream)
     grid = _cdiv(m, tile.bm), _cdiv(cols, tile.bn // 2 if gated else tile.bn)
     args = (x_map, w_map, out, np.int64(K))

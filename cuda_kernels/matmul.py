@@ -190,11 +190,12 @@ WGMMA_SPLIT_TILES = {64: WgmmaTile(64, 128, 4, overlap=True), WGMMA_MIN_M - 1: W
 WGMMA_MIN_SPLIT_SLABS = 8
 WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT", "1") == "1"
 # gemm_tma (version 12: TMA copies by a producer warp, mbarriers instead of block barriers) in place of
-# gemm_wgmma for prefill (from WGMMA_MIN_M rows), in the first of TMA_TILES whose grid
-# fills TMA_MIN_BLOCKS SMs, else the one with the most blocks. TINYVLLM_TMA=1 turns it on.
-TMA_TILES = (TmaTile(128, 256, 4), TmaTile(128, 128, 6), TmaTile(64, 128, 8))
-TMA_MIN_BLOCKS = 120
-TMA_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA", "0") == "1"
+# gemm_wgmma for prefill (from WGMMA_MIN_M rows), in the first of TMA_TILES whose grid has TMA_MIN_BLOCKS
+# blocks, else the one with the most blocks (the tiles measured fastest at 1,024 rows: docs/performance.md,
+# "gemm_tma"). TINYVLLM_TMA=0 turns it off (gemm_wgmma then).
+TMA_TILES = (TmaTile(256, 128, 4), TmaTile(128, 128, 6), TmaTile(64, 128, 8))
+TMA_MIN_BLOCKS = 96
+TMA_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA", "1") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ Two implementations, chosen at import time:
   its bytes completed; a barrier is four int64 words (expected arrivals, pending arrivals, pending bytes,
   phases completed) updated under one lock, and a wait yields the interpreter until its phase completes. The
   simulator runs every thread of a block in a Python thread, so the producer / consumer handshakes are real.
-Kernels declare their barriers as ``cuda.shared.array(n * BARRIER_WORDS, BARRIER_DTYPE)``.
+Kernels declare n barriers as ``cuda.shared.array(N_WORDS, BARRIER_DTYPE)``, N_WORDS = n * BARRIER_WORDS computed
+outside the kernel (Numba takes a shared array's shape from a constant; it does not fold an expression).
 """
 
 from __future__ import annotations
@@ -111,17 +112,17 @@ if SIMULATOR:
             bars[b + 2] -= 2 * box_rows * BOX_K
             _complete_if_done(bars, b)
 
-    def tensor_map(array, rows: int, cols: int, box_rows: int, stream=0):
+    def tensor_map(array, rows: int, cols: int, box_rows: int, stream=0, readable: int | None = None):
         """The simulator's tensor map: array seen as (rows, cols)."""
         from cuda_kernels.launch import view
 
-        _check_map(array, rows, cols, box_rows)
+        _check_map(array, rows, cols, box_rows, readable)
         return view(array, (rows, cols))
 
-    def rows_to_end(array, cols: int) -> int:
-        """Rows of `cols` uint16 from array's first element to the end of its memory: the simulator's arrays
-        own their memory."""
-        return int(np.prod(array.shape)) // cols
+    def tensor_map_to_end(array, cols: int, box_rows: int, stream=0):
+        """The map of every whole row of `cols` from array's first element to the end of its memory: the
+        simulator's arrays own their memory."""
+        return tensor_map(array, int(np.prod(array.shape)) // cols, cols, box_rows, stream)
 
 else:
     from llvmlite import ir
@@ -247,9 +248,9 @@ else:
 
     _MAPS: dict = {}
 
-    def tensor_map(array, rows: int, cols: int, box_rows: int, stream=0):
+    def tensor_map(array, rows: int, cols: int, box_rows: int, stream=0, readable: int | None = None):
         """A device array holding the tensor map of `array` (uint16, C-contiguous, rows * cols elements readable
-        from its start) seen as (rows, cols), boxes of box_rows x 64 with the 128-byte swizzle, zeros outside.
+        from its start: its own, or `readable` where the caller knows its allocation goes on) seen as (rows, cols), boxes of box_rows x 64 with the 128-byte swizzle, zeros outside.
         Cached by what it encodes (address, extent, box): a map is made once, its 128 bytes copied in `stream`
         order. NOTE: so a CUDA graph must not be the first to use a map (capture forbids the copy); the eager
         steps of the engine's warm-up make them all first. Each launch asks again: the array keeps its maps, so
@@ -262,7 +263,7 @@ else:
         found = mine.get((rows, cols, box_rows))
         if found is not None:
             return found
-        _check_map(array, rows, cols, box_rows)
+        _check_map(array, rows, cols, box_rows, readable)
         key = (device_pointer(array), rows, cols, box_rows)
         if key not in _MAPS:
             drv = driver()
@@ -284,23 +285,23 @@ else:
         mine[rows, cols, box_rows] = _MAPS[key]
         return _MAPS[key]
 
-    def rows_to_end(array, cols: int) -> int:
-        """Rows of `cols` uint16 from array's first element to the end of the allocation it lies in (a slice of
-        a buffer may be read past its own end: gemm_tma's maps of x cover the whole buffer). Kept on the array."""
+    def tensor_map_to_end(array, cols: int, box_rows: int, stream=0):
+        """The map of every whole row of `cols` uint16 from array's first element to the end of the allocation
+        it lies in, which may go on past the array itself (a slice of a buffer, or a buffer carved from a larger
+        allocation): gemm_tma's maps of x cover the whole buffer. The rows are kept on the array."""
         from cuda_kernels.driver import device_pointer, driver, ok
 
         cached = getattr(array, "_tinyvllm_rows_to_end", None)
-        if cached is not None and cached[0] == cols:
-            return cached[1]
-        pointer = device_pointer(array)
-        base, size = ok(driver().cuMemGetAddressRange(driver().CUdeviceptr(pointer)))
-        rows = (int(base) + int(size) - pointer) // (2 * cols)
-        array._tinyvllm_rows_to_end = (cols, rows)
-        return rows
+        if cached is None or cached[0] != cols:
+            pointer = device_pointer(array)
+            base, size = ok(driver().cuMemGetAddressRange(driver().CUdeviceptr(pointer)))
+            cached = array._tinyvllm_rows_to_end = (cols, (int(base) + int(size) - pointer) // (2 * cols))
+        rows = cached[1]
+        return tensor_map(array, rows, cols, box_rows, stream, readable=rows * cols)
 
 
-def _check_map(array, rows: int, cols: int, box_rows: int) -> None:
-    size = int(np.prod(array.shape))
+def _check_map(array, rows: int, cols: int, box_rows: int, readable: int | None = None) -> None:
+    size = int(np.prod(array.shape)) if readable is None else readable
     if array.dtype != np.uint16 or rows * cols > size or cols % 8 or box_rows % 8 or not 8 <= box_rows <= 256:
         raise ValueError(f"tensor_map: need a uint16 array of >= rows * cols elements, cols % 8 == 0 (16-byte rows) "
                          f"and box_rows a multiple of 8 in 8 .. 256; got {array.dtype} of {size}, rows {rows}, "
