@@ -122,6 +122,46 @@ def test_stream_ends_with_done(served):
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
+# Greedy on the tiny tokenizer's <|im_start|> (258): a special token, not EOS, that decoding skips, so every token
+# of the answer decodes to no text (as a random model's tokens may, on a real tokenizer). slow_served's 5 ms steps
+# keep the stream from being coalesced into its last chunk while the handler lags.
+NO_TEXT = {"model": MODEL, "max_tokens": 10, "temperature": 0, "logit_bias": {"258": 100}}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_tokens_that_decode_to_no_text_are_streamed_as_they_come(slow_served, endpoint):
+    """As vLLM's server: a chunk with text "" whenever tokens were generated, not silence until the last chunk,
+    so that a client sees the answer start (a benchmark's TTFT is its first chunk with choices)."""
+    url, engine, _ = slow_served
+    assert engine.tokenizer.decode([258]) == "" and engine.tokenizer.eos_token_id != 258
+    prompt = {"prompt": "Hi"} if endpoint == "completions" else {"messages": CHAT}
+    body = {**NO_TEXT, **prompt, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/{endpoint}", json=body) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    if endpoint == "chat/completions":
+        assert choices.pop(0)["delta"] == {"role": "assistant", "content": ""}   # the opening, before any token
+        assert all(c["delta"] == {"content": ""} for c in choices)
+    else:
+        assert all(c["text"] == "" for c in choices)
+    # chunks before the last one (not one per token: outputs coalesce when the handler falls behind)
+    assert len(choices) > 1
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+
+
+def test_the_serving_benchmark_times_the_first_token_of_an_answer_with_no_text(slow_served):
+    """tools/bench_serve.py counts TTFT at the first chunk with choices, as vLLM's benchmark, text or not: here
+    before the last chunk, so that there are inter-token gaps."""
+    from tools import bench_serve
+
+    url, *_ = slow_served
+    body = {**bench_serve.request_body(MODEL, "Hi", 10, "tinyvllm"), "logit_bias": NO_TEXT["logit_bias"]}
+    result = asyncio.run(bench_serve.one_request(f"{url}/v1/completions", body, {}))
+    assert result.ok and result.output_tokens == 10
+    assert len(result.itl) >= 1   # TTFT was not the last chunk's time
+
+
 def test_concurrent_streaming_clients_get_their_answers_alone(served, offline):
     url, engine = served
     prompts = [f"Request number {i}: " + "tell me a story " * (i % 4) for i in range(32)]

@@ -16,11 +16,12 @@ They arrive all at once (the default) or as a Poisson process at --request-rate 
 --max-concurrency are in flight, so `--max-concurrency N` alone is N clients sending back to back.
 
 Reported: request throughput, output tokens/s, and p50 / p90 / p99 of
-- TTFT, time to first token: from sending the request to its first text chunk (or its last chunk, for an
-  answer with no text);
+- TTFT, time to first token: from sending the request to its first chunk with choices, as vLLM's benchmark
+  counts it (its text may be empty: a token that decodes to no text, such as a special token, still comes as
+  a chunk from vLLM's server and tinyvllm's);
 - TPOT, time per output token: (latency - TTFT) / (output tokens - 1), per request;
-- ITL, inter-token latency: the gaps between successive chunks (a chunk may carry more than one token when the
-  client falls behind the server, so this is per chunk);
+- ITL, inter-token latency: the gaps between successive chunks with choices (a chunk may carry more than one
+  token when the client falls behind the server, so this is per chunk);
 - E2E, the whole request.
 Token counts are the server's own (stream_options.include_usage). The streams are read with a few lines of
 HTTP/1.1 over asyncio (http_stream); httpx (in tinyvllm's test extra) asks for the model's name.
@@ -170,8 +171,10 @@ async def one_request(url: str, body: dict, headers: dict[str, str]) -> Result:
                     return Result(False, error=str(error.get("message", error) if isinstance(error, dict) else error))
                 if event.get("usage"):
                     usage = event["usage"]
-                # a chunk with text, or the last one (a random model's answer may decode to no text at all)
-                if any(c.get("text") or c.get("finish_reason") for c in event.get("choices", ())):
+                # as vLLM's benchmark: any chunk with choices is a token's, text or not (a random model's tokens
+                # may decode to none); the usage chunk's choices are []. (A chat stream's opening chunk, the role
+                # only, would count too: this client sends completions only, which have none.)
+                if event.get("choices"):
                     chunks.append(arrived)
     except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, HTTPStatus) as exc:
         return Result(False, error=str(exc) if isinstance(exc, HTTPStatus) else f"{type(exc).__name__}: {exc}")

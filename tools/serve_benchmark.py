@@ -357,8 +357,8 @@ def table(out: Path) -> str:
     if hf and hf.get("ready_s") is not None:
         header.append(f"transformers serve --continuous-batching on {hf.get('device')}: healthy after "
                       f"{hf['ready_s']:.0f} s.")
-    notes = ["", "TTFT: request sent to first text; TPOT: (latency - TTFT) / (output tokens - 1) per request; "
-             "ITL: gaps between streamed chunks. Client CPU: the load generator's CPU seconds per second of the run "
+    notes = ["", "TTFT: request sent to its first chunk with choices (its text may be empty); TPOT: (latency - TTFT) "
+             "/ (output tokens - 1) per request; ITL: gaps between streamed chunks. Client CPU: the load generator's CPU seconds per second of the run "
              "(near 100%, it was the bottleneck)."]
     return "\n".join(header + [""] + lines + notes + [""] + goals) + "\n"
 

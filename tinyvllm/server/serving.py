@@ -56,7 +56,8 @@ class ChatFormat:
 
     @staticmethod
     def delta(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+        # text "" (tokens that decode to no text) is content "", as vLLM sends; None (an abort) is no content
+        return {"index": index, "delta": {"content": text} if text is not None else {}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     @staticmethod
@@ -223,6 +224,7 @@ async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, wind
     extra = {"usage": None} if include_usage else {}
     event = ChunkEvent(chunk, include_usage, fmt)
     sent: dict[int, int] = {}        # choice index -> characters sent
+    tokens: dict[int, int] = {}      # choice index -> tokens generated when its last chunk was sent
     done: set[int] = set()           # choices whose finish_reason was sent
     last: RequestOutput | None = None
     openings = [fmt.opening(i) for i in range(num_choices)]
@@ -238,11 +240,17 @@ async def _events(stream: RequestStream, fmt, head: dict, num_choices: int, wind
                     continue
                 text = c.text[sent.get(index, 0):]
                 sent[index] = len(c.text)
+                # New tokens make a chunk even without new text (special tokens that decoding skips, the first
+                # bytes of a UTF-8 character): its text is "", as vLLM's server sends, so that a client sees
+                # tokens arrive (a benchmark's TTFT is the first chunk with choices) rather than a silent stream
+                num_tokens = len(c.token_ids)
+                grew = num_tokens > tokens.get(index, 0)
+                tokens[index] = num_tokens
                 if window.num_top is not None:
                     logprobs = window.next(c)
                 if c.finish_reason is not None:
                     done.add(index)
-                if text or logprobs or c.finish_reason is not None:
+                if text or grew or logprobs or c.finish_reason is not None:
                     choices.append(event.choice(index, text, c.finish_reason, logprobs))
             if choices:
                 yield event(choices)
