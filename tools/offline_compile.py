@@ -167,6 +167,10 @@ def install(cuda_home: Path, report: list) -> None:
     from cuda_kernels import wgmma
 
     wgmma.device_has_wgmma = lambda: True   # the target is compute capability 9.0: the engine takes gemm_wgmma
+    from cuda_kernels import tma
+
+    # a tensor map is 128 bytes the driver encodes (gemm_tma): a fake one types as the real one does
+    tma.tensor_map = tma.tensor_map_to_end = lambda *a, **k: FakeDeviceArray(np.zeros(16, np.uint64))
     cuda.to_device = lambda array, *a, **k: FakeDeviceArray(np.asarray(array))
     cuda.device_array = lambda shape, dtype=np.float64, *a, **k: FakeDeviceArray(np.zeros(shape, dtype))
     cuda.pinned_array = lambda shape, dtype=np.float64, *a, **k: np.zeros(shape, dtype)
