@@ -472,13 +472,29 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
 # with more stages, four of 64 x 128, and one warpgroup (decode batches)
 TMA_CANDIDATES = (gtma.TmaTile(128, 256, 4), gtma.TmaTile(128, 128, 6), gtma.TmaTile(256, 128, 4),
                   gtma.TmaTile(128, 256, 3), gtma.TmaTile(64, 256, 5), gtma.TmaTile(64, 128, 8))
+# at decode batches (--tma with M < matmul.WGMMA_MIN_M) the tiles of one and two consumer warpgroups
+TMA_DECODE_CANDIDATES = (gtma.TmaTile(64, 128, 8), gtma.TmaTile(64, 256, 5), gtma.TmaTile(128, 128, 6))
+
+
+def tma_split_plans(m: int, n: int, k: int) -> list[tuple[gtma.TmaTile, int]]:
+    """(tile, splits) of gemm_tma worth timing for x (m, k) @ W (n, k)^T: at prefill sizes (m >= WGMMA_MIN_M)
+    every TMA_CANDIDATES tile unsplit; at decode sizes every TMA_DECODE_CANDIDATES tile with K split for about
+    one block per SM (matmul.split_count, as gemm_wgmma's split plan), and at half that count."""
+    if m >= mm.WGMMA_MIN_M:
+        return [(t, 1) for t in TMA_CANDIDATES]
+    slabs, plans = -(-k // gtma.TILE_K), []
+    for t in TMA_DECODE_CANDIDATES:
+        splits = mm.split_count(gtma.tiles(t, m, n), slabs, mm.WGMMA_MIN_SPLIT_SLABS)
+        for s_ in dict.fromkeys((splits, max(1, splits // 2))):
+            plans.append((t, s_))
+    return plans
 
 
 def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTES) -> list[Case]:
-    """gemm_wgmma (the engine's plan: wgmma_plan's tile and splits, or at M < wgmma_split_min_m the split plan
-    all the same) against gemm_tma in each of TMA_CANDIDATES at the same split count (valid for K by the plan),
-    bf16 inputs, x's plane ready, each weight cold in L2; gate/up gated. Every weight copy's tensor map is made
-    in the check, before the timed graph is captured. Needs a GPU of compute capability 9.0."""
+    """What the engine runs (its matmul dispatch: gated_matmul for gate/up, x's bf16 plane ready as its norms
+    write it) against gemm_tma in each of tma_split_plans, bf16 inputs, each weight cold in L2. Every weight
+    copy's tensor map is made in the check, before the timed graph is captured. Needs a GPU of compute
+    capability 9.0."""
     rng = np.random.default_rng(9)
     out = []
     for wname, n, k, w, copies in _cold_weights(rng, [w for w in weights or TC_WEIGHTS if w != "lm_head"],
@@ -486,21 +502,26 @@ def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTE
         gated = wname == "gate_up"
         for m in ms:
             x = rng.standard_normal((m, k), dtype=np.float32)
-            planes = cuda.to_device(f32_to_bf16(x).ravel())
+            dx, planes = cuda.to_device(x), cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
-            tile, splits = (mm.wgmma_tile(m, n), 1) if m >= mm.WGMMA_MIN_M else mm.wgmma_split_plan(m, n, k)
-            plans = [(t, splits) for t in TMA_CANDIDATES]
-            size_p = max([gw.split_partials_size(tile, m, n, splits)]
-                         + [gtma.split_partials_size(t, m, n, s_) for t, s_ in plans])
-            size_c = max([gw.tiles(tile, m, n)] + [gtma.tiles(t, m, n) for t, _ in plans])
+            scratch = cuda.device_array((m, n), np.float32)
+            plans = tma_split_plans(m, n, k)
+            sizes_p, sizes_c = mm.split_workspace_sizes([(n, k, gated)], True)
+            size_p = max([sizes_p] + [gtma.split_partials_size(t, m, n, s_) for t, s_ in plans])
+            size_c = max([sizes_c] + [gtma.tiles(t, m, n) for t, _ in plans])
             split_ws = (cuda.device_array(max(1, size_p), np.float32), cuda.to_device(np.zeros(size_c, np.int32)))
 
-            def wgmma(dx, w_, out_, stream, m=m, tile=tile, splits=splits, gated=gated, ws=split_ws):
-                gw.gemm_wgmma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits, split_workspace=ws)
-            runs = [(f"gemm_wgmma policy {_tile_label(tile)}, {splits} splits", wgmma)]
+            def engine(planes_, w_, out_, stream, dx=dx, scratch=scratch, gated=gated, ws=split_ws):
+                if gated:
+                    mm.gated_matmul(dx, w_, out_, scratch, stream, bf16_inputs=True, workspace=planes_,
+                                    split_workspace=ws, planes_ready=True)
+                else:
+                    mm.matmul(dx, w_, out_, stream, bf16_inputs=True, workspace=planes_, split_workspace=ws,
+                              planes_ready=True)
+            runs = [("engine's matmul", engine)]
             for t, s_ in plans:
-                def tma(dx, w_, out_, stream, m=m, tile=t, splits=s_, gated=gated, ws=split_ws):
-                    gtma.gemm_tma(dx, m, w_, out_, stream, tile=tile, gated=gated, splits=splits, split_workspace=ws)
+                def tma(dx_, w_, out_, stream, m=m, tile=t, splits=s_, gated=gated, ws=split_ws):
+                    gtma.gemm_tma(dx_, m, w_, out_, stream, tile=tile, gated=gated, splits=splits, split_workspace=ws)
                 runs.append((f"gemm_tma {_tile_label(t)}, {s_} splits", tma))
             for label, launcher in runs:
                 case = _planes_case(wname, label, launcher, x, w, planes, copies, dout, gated)
@@ -751,8 +772,9 @@ def main() -> None:
                              "inputs: the kernel the engine ran before against gemm_wgmma's split plans "
                              "(wgmma_split_variants)")
     parser.add_argument("--tma", action="store_true",
-                        help="instead: gemm_wgmma's plan against gemm_tma in each of TMA_CANDIDATES (M = 64, 128, 256, "
-                             "1024, or --m), weights cold, bf16 inputs")
+                        help="instead: the engine's matmul against gemm_tma in each of tma_split_plans (M = 64, 128, "
+                             "256, 1024, or --m; decode sizes with K split), weights cold, bf16 inputs "
+                             "(TINYVLLM_TMA=0: the engine's prefill plans on gemm_wgmma)")
     args = parser.parse_args()
     if args.tma:
         _print_rates(tma_cases(args.m if args.m != list(TC_MS) else (64, 128, 256, 1024), args.weights),
