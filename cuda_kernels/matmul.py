@@ -44,7 +44,7 @@ The policies (pure functions of the shape, so a captured CUDA graph stays valid)
 - wgmma_plan: gemm_wgmma instead of gemm_pipelined for bf16 inputs on a GPU of compute capability 9.0 (given
   a planes workspace): from WGMMA_MIN_M rows in the tile of wgmma_tile(M, N), and with a split workspace from
   wgmma_split_min_m(N, K) rows with K split over blocks (wgmma_split_plan); with TMA_IN_ENGINE its prefill
-  plans go to gemm_tma in tma_tile(M, N);
+  plans go to gemm_tma in tma_tile(M, N), and with TMA_DECODE_IN_ENGINE its split plans too (tma_plan);
 - gemm_tc with gemm_tc_tile(M, N, K) for the rest; in the simulator gemm with GEMM_TILE instead (every
   emulated mma costs two block barriers over Python threads; the kernel tests still run gemm_tc there).
 The numbers behind each choice are in docs/performance.md.
@@ -196,6 +196,11 @@ WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT
 TMA_TILES = (TmaTile(256, 128, 4), TmaTile(128, 128, 6), TmaTile(64, 128, 8))
 TMA_MIN_BLOCKS = 96
 TMA_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA", "1") == "1"
+# gemm_tma for decode batches too, where gemm_wgmma's split plans run (wgmma_plan below WGMMA_MIN_M rows): the
+# first of TMA_DECODE_TILES whose rows cover M, K split for about one block per SM (tma_plan). Not yet measured
+# against gemm_wgmma's split K: off unless TINYVLLM_TMA_DECODE=1 (docs/performance.md, "gemm_tma").
+TMA_DECODE_TILES = {64: TmaTile(64, 128, 8), WGMMA_MIN_M - 1: TmaTile(128, 128, 6)}
+TMA_DECODE_IN_ENGINE = TMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA_DECODE", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -393,8 +398,8 @@ def split_count(tiles: int, slabs: int, min_slabs: int = MIN_SPLIT_SLABS) -> int
 def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
     """(float32 partials, int32 counters) that every split plan of x (m, K) @ W^T needs, for weights given as
     (n, k, gated) (the runner allocates them once; matmul(..., split_workspace=)): the skinny plans of
-    gemm_pipelined up to PIPELINED_SKINNY_MAX_M rows and, with bf16 inputs, gemm_wgmma's split plans from
-    WGMMA_SPLIT_MIN_M rows (wherever they may run: the sizes do not ask the GPU)."""
+    gemm_pipelined up to PIPELINED_SKINNY_MAX_M rows and, with bf16 inputs, gemm_wgmma's and gemm_tma's split
+    plans from WGMMA_SPLIT_MIN_M rows (wherever they may run: the sizes do not ask the GPU)."""
     plans = [(gemm_pipelined.split_partials_size(t, m, n, s, gated), gemm_pipelined.split_counters_size(t, m, n, gated))
              for n, k, gated in weights for m in PIPELINED_SKINNY_TILES
              for t, s in [skinny_plan(m, n, k, bf16_inputs, gated)] if s > 1]
@@ -402,6 +407,9 @@ def split_workspace_sizes(weights, bf16_inputs: bool) -> tuple[int, int]:
         plans += [(gemm_wgmma.split_partials_size(t, m, n, s), gemm_wgmma.tiles(t, m, n))
                   for n, k, _ in weights for m in range(wgmma_split_min_m(n, k), WGMMA_MIN_M)
                   for t, s in [wgmma_split_plan(m, n, k)] if s > 1]
+        plans += [(gemm_tma.split_partials_size(t, m, n, s), gemm_tma.tiles(t, m, n))
+                  for n, k, _ in weights for m in range(wgmma_split_min_m(n, k), WGMMA_MIN_M)
+                  for t, s in [tma_plan(m, n, k)] if s > 1]
     return max([1] + [p for p, _ in plans]), max([1] + [c for _, c in plans])
 
 
@@ -530,8 +538,19 @@ def wgmma_tile(m: int, n: int) -> WgmmaTile:
 
 
 def uses_tma(m: int) -> bool:
-    """Whether a warpgroup GEMM of m rows (wgmma_plan's) runs gemm_tma: the prefill plans, with TMA_IN_ENGINE."""
-    return TMA_IN_ENGINE and m >= WGMMA_MIN_M
+    """Whether a warpgroup GEMM of m rows (wgmma_plan's) runs gemm_tma: the prefill plans with TMA_IN_ENGINE,
+    and the decode split plans with TMA_DECODE_IN_ENGINE as well."""
+    return TMA_IN_ENGINE and (m >= WGMMA_MIN_M or TMA_DECODE_IN_ENGINE)
+
+
+def tma_plan(m: int, n: int, k: int) -> tuple[TmaTile, int]:
+    """(tile, splits) of gemm_tma for x (m, k) @ W (n, k)^T: tma_tile(m, n) over the whole K from WGMMA_MIN_M
+    rows; below, the first of TMA_DECODE_TILES whose rows cover m with K split as gemm_wgmma's split plans are
+    (split_count: about one block per SM, splits of WGMMA_MIN_SPLIT_SLABS slabs or more). n: the weight's rows."""
+    if m >= WGMMA_MIN_M:
+        return tma_tile(m, n), 1
+    tile = next(t for rows, t in TMA_DECODE_TILES.items() if m <= rows)
+    return tile, split_count(gemm_tma.tiles(tile, m, n), -(-k // wgmma.TILE_K), WGMMA_MIN_SPLIT_SLABS)
 
 
 def tma_tile(m: int, n: int) -> TmaTile:
@@ -550,10 +569,13 @@ def _wgmma(x, weight, out, workspace, stream, planes_ready: bool, plan, split_wo
 
 
 def _warpgroup_gemm(plane, m: int, weight, out, stream, plan, split_workspace, gated: bool = False):
-    """gemm_wgmma in `plan` (wgmma_plan's (tile, splits)), or where TMA_IN_ENGINE gemm_tma in tma_tile's tile for
-    the prefill plans (from WGMMA_MIN_M rows: eager steps, which make the tensor maps)."""
+    """gemm_wgmma in `plan` (wgmma_plan's (tile, splits)), or where uses_tma says gemm_tma in tma_plan's. A
+    decode step captured in a CUDA graph finds its tensor maps made: the warm-up's walk of every shape class
+    launches eagerly first (tinyvllm/warmup.py)."""
     if uses_tma(m):
-        gemm_tma.gemm_tma(plane, m, weight, out, stream, tile=tma_tile(m, weight.shape[0]), gated=gated)
+        tile, splits = tma_plan(m, *weight.shape)
+        gemm_tma.gemm_tma(plane, m, weight, out, stream, tile=tile, gated=gated, splits=splits,
+                          split_workspace=split_workspace)
     else:
         gemm_wgmma.gemm_wgmma(plane, m, weight, out, stream, tile=plan[0], gated=gated, splits=plan[1],
                               split_workspace=split_workspace)

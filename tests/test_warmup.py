@@ -6,6 +6,7 @@ exist. On a GPU the same holds on the Llama-3.2-1B-shaped model, graphs included
 uses the warmed engine's counters too)."""
 
 import numpy as np
+import pytest
 
 from cuda_kernels import launch
 from tests_support import LLAMA_1B_MATMULS
@@ -29,23 +30,27 @@ def gpu_matmul_kernel(mm, m, n, k, gated):
         return "gemv_tc", mm.gemv_tc_config(m, n, k)
     plan = mm.wgmma_plan(m, n, k, True, split_workspace=())
     if plan and mm.uses_tma(m):
-        return "gemm_tma", mm.tma_tile(m, n)
+        tile, splits = mm.tma_plan(m, n, k)
+        return "gemm_tma", tile, splits > 1
     if plan:
         return "gemm_wgmma", plan[0], plan[1] > 1
     tile, splits = mm.pipelined_plan(m, n, k, True, gated, split_workspace=())
     return "gemm_pipelined", tile, splits > 1
 
 
-def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch):
+@pytest.mark.parametrize("tma_decode", [False, True], ids=["tma-prefill", "tma-decode-too"])
+def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch, tma_decode):
     """The warm-up compiles one representative M per class (token_counts); every other M of the class must take
     the same kernels, or a request would compile one after ready. Checked for the 1B model's weights with the
     matmul policies of an H100 or H200 (gemv, gemv_tc, gemm_pipelined's skinny plans and tiles, gemm_wgmma's
-    split plans and tiles, gemm_tma's tiles), which this machine's simulator settings would otherwise hide."""
+    split plans and tiles, gemm_tma's tiles and, with TMA_DECODE_IN_ENGINE, its split plans), which this
+    machine's simulator settings would otherwise hide."""
     from cuda_kernels import matmul as mm
     from cuda_kernels import wgmma
 
     for name, value in [("SIMULATOR", False), ("GEMV_MAX_M", 8), ("GEMV_WIDE_MAX_M", 4), ("GEMV_TC_IN_ENGINE", True),
-                        ("WGMMA_IN_ENGINE", True), ("WGMMA_SPLIT_IN_ENGINE", True), ("TMA_IN_ENGINE", True)]:
+                        ("WGMMA_IN_ENGINE", True), ("WGMMA_SPLIT_IN_ENGINE", True), ("TMA_IN_ENGINE", True),
+                        ("TMA_DECODE_IN_ENGINE", tma_decode)]:
         monkeypatch.setattr(mm, name, value)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     limit = 2048
@@ -57,7 +62,7 @@ def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch):
             kernel = gpu_matmul_kernel(mm, m, n, k, gated)
             assert kernel == gpu_matmul_kernel(mm, representative, n, k, gated), (m, representative, n, k)
             seen.add(kernel[0])
-    assert seen == {"gemv", "gemv_tc", "gemm_pipelined", "gemm_wgmma", "gemm_tma"}
+    assert seen == {"gemv", "gemv_tc", "gemm_pipelined", "gemm_tma"} | (set() if tma_decode else {"gemm_wgmma"})
 
 
 def test_no_kernel_is_prepared_after_the_warm_up(tiny_model_dir):

@@ -16,10 +16,13 @@ from hypothesis import strategies as st
 from kernel_support import SIM, device_empty, examples, pick, sizes, to_device
 from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_inputs, stale_out, weight_shapes
 from test_wgmma import check_split_k
+from tests_support import LLAMA_1B_MATMULS
 
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_tma as gt
+from cuda_kernels import matmul as mm
 from cuda_kernels import tma, wgmma
+from cuda_kernels.split_k import valid_splits
 
 pytestmark = pytest.mark.skipif(not SIM and not wgmma.device_has_wgmma(), reason="TMA needs compute capability 9.0")
 seeds = st.integers(0, 2**32 - 1)
@@ -114,6 +117,58 @@ def test_gemm_tma_split_k(tile, epilogue, seed, m, n, slabs, data):
     within the summation tolerance, bit-identical on a second launch, the counters zero again, and the planes
     epilogue exactly bf16 of the float32 result."""
     check_split_k(gt.gemm_tma, split_workspace, tile, epilogue, seed, m, n, slabs, data)
+
+
+def test_tma_plans():
+    """matmul.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes the first decode tile
+    whose rows cover M, with splits for about a block per SM and none empty or short, which
+    split_workspace_sizes covers for the 1B model's weights."""
+    partials, counters = mm.split_workspace_sizes(LLAMA_1B_MATMULS, True)
+    assert mm.tma_plan(1024, 16384, 2048) == (mm.tma_tile(1024, 16384), 1) == (gt.TmaTile(256, 128, 4), 1)
+    assert mm.tma_plan(1024, 2048, 2048) == (gt.TmaTile(128, 128, 6), 1)   # 256-row tiles: 64 blocks, too few
+    for n, k, _ in LLAMA_1B_MATMULS:
+        for m in range(mm.wgmma_split_min_m(n, k), mm.WGMMA_MIN_M):
+            tile, splits = mm.tma_plan(m, n, k)
+            assert tile == mm.TMA_DECODE_TILES[min(r for r in mm.TMA_DECODE_TILES if r >= m)]
+            slabs, tiles = -(-k // 64), gt.tiles(tile, m, n)
+            assert splits in valid_splits(slabs)
+            assert splits == 1 or slabs // splits >= mm.WGMMA_MIN_SPLIT_SLABS
+            assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
+            assert splits == 1 or (gt.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
+    assert mm.tma_plan(64, 2048, 8192) == (gt.TmaTile(64, 128, 8), 8)     # down: 16 tiles x 8 splits
+    assert mm.tma_plan(128, 3072, 2048) == (gt.TmaTile(128, 128, 6), 4)   # QKV: 24 tiles x 4 splits of 8 slabs
+    assert mm.tma_plan(256, 16384, 2048) == (gt.TmaTile(128, 128, 6), 1)  # gate/up: 256 tiles, no split
+
+
+def test_entry_points_take_the_tma_decode_plan(monkeypatch):
+    """With gemm_tma for decode switched on (TMA_DECODE_IN_ENGINE, as TINYVLLM_TMA_DECODE=1 on a GPU of compute
+    capability 9.0), matmul, gated_matmul and mlp given a split workspace send decode rows to gemm_tma with K
+    split: each result within the summation bounds, the counters zero afterwards."""
+    calls = []
+    kernel = gt.gemm_tma
+    for name in ("WGMMA_IN_ENGINE", "WGMMA_SPLIT_IN_ENGINE", "TMA_IN_ENGINE", "TMA_DECODE_IN_ENGINE"):
+        monkeypatch.setattr(mm, name, True)
+    monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
+    if SIM:   # one block tile of rows (a simulated block costs seconds)
+        monkeypatch.setattr(mm, "TMA_DECODE_TILES", {mm.WGMMA_MIN_M - 1: gt.SIM_TILE})
+        monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
+    monkeypatch.setattr(gt, "gemm_tma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
+    monkeypatch.setattr(mm, "WGMMA_MIN_SPLIT_SLABS", 4)   # 8 slabs of K: two splits of 4
+    m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512
+    x, w = make_inputs(1, m, n, k)
+    ws = device_empty(m * max(k, f), np.uint16)
+    sizes_ = mm.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
+    split_ws = (device_empty(sizes_[0], np.float32), to_device(np.zeros(sizes_[1], np.int32)))
+    out = stale_out(m, n)
+    mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
+    check(out, x, w, bf16_inputs=True)
+    wg = make_inputs(2, 1, 2 * f, k)[1]
+    gated = stale_out(m, f)
+    mm.gated_matmul(to_device(x), to_device(wg), gated, None, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
+    check_gated(gated, x, wg, bf16_inputs=True)
+    plans = [mm.tma_plan(m, n, k)[1], mm.tma_plan(m, 2 * f, k)[1]]
+    assert calls == plans and min(plans) > 1
+    assert (split_ws[1].copy_to_host() == 0).all()
 
 
 def test_gemm_tma_rejects_bad_arguments():
