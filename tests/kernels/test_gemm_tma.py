@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_support import SIM, device_empty, examples, pick, sizes, to_device
 from test_matmul_kernels import cap_m, check, check_gated, gated_shapes, make_inputs, stale_out, weight_shapes
-from test_wgmma import check_split_k
+from test_wgmma import check_split_entry_points, check_split_k
 from tests_support import LLAMA_1B_MATMULS
 
 from cuda_kernels import gemm_pipelined as gp
@@ -153,19 +153,7 @@ def test_entry_points_take_the_tma_decode_plan(monkeypatch):
         monkeypatch.setattr(mm, "TMA_DECODE_TILES", {mm.WGMMA_MIN_M - 1: gt.SIM_TILE})
         monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
     monkeypatch.setattr(gt, "gemm_tma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
-    monkeypatch.setattr(mm, "WGMMA_MIN_SPLIT_SLABS", 4)   # 8 slabs of K: two splits of 4
-    m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512
-    x, w = make_inputs(1, m, n, k)
-    ws = device_empty(m * max(k, f), np.uint16)
-    sizes_ = mm.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
-    split_ws = (device_empty(sizes_[0], np.float32), to_device(np.zeros(sizes_[1], np.int32)))
-    out = stale_out(m, n)
-    mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
-    check(out, x, w, bf16_inputs=True)
-    wg = make_inputs(2, 1, 2 * f, k)[1]
-    gated = stale_out(m, f)
-    mm.gated_matmul(to_device(x), to_device(wg), gated, None, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
-    check_gated(gated, x, wg, bf16_inputs=True)
+    m, n, f, k, split_ws = check_split_entry_points(monkeypatch, with_mlp=False)
     plans = [mm.tma_plan(m, n, k)[1], mm.tma_plan(m, 2 * f, k)[1]]
     assert calls == plans and min(plans) > 1
     assert (split_ws[1].copy_to_host() == 0).all()

@@ -264,7 +264,17 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
         monkeypatch.setattr(mm, "WGMMA_SPLIT_TILES", {mm.WGMMA_MIN_M - 1: gw.SIM_TILE})
         monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
     monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
-    # 8 slabs of K: two splits of 4 (the engine's 8-slab minimum would need K = 1,024: twice the simulated work)
+    m, n, f, k, split_ws = check_split_entry_points(monkeypatch, with_mlp=True)
+    plans = [mm.wgmma_split_plan(m, n, k)[1], mm.wgmma_split_plan(m, 2 * f, k)[1]]
+    assert calls == plans + [plans[1], mm.wgmma_split_plan(m, k, f)[1]] and min(plans) > 1
+    assert (split_ws[1].copy_to_host() == 0).all()
+
+
+def check_split_entry_points(monkeypatch, with_mlp: bool):
+    """matmul and gated_matmul (and with_mlp mlp) of WGMMA_SPLIT_MIN_M rows given workspaces of
+    split_workspace_sizes, K = 8 slabs split in two (WGMMA_MIN_SPLIT_SLABS set to 4: the engine's 8-slab minimum
+    would need K = 1,024, twice the simulated work): each result within the summation bounds. Returns
+    (m, n, f, k, split workspace)."""
     monkeypatch.setattr(mm, "WGMMA_MIN_SPLIT_SLABS", 4)
     m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512
     x, w = make_inputs(1, m, n, k)
@@ -278,16 +288,15 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
     gated = stale_out(m, f)
     mm.gated_matmul(to_device(x), to_device(wg), gated, None, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
     check_gated(gated, x, wg, bf16_inputs=True)
-    w2 = make_inputs(3, 1, k, f)[1]
-    act_planes = device_empty((m, f), np.uint16)
-    out2 = stale_out(m, k)
-    mm.mlp(to_device(x), to_device(wg), to_device(w2), out2, None, None, bf16_inputs=True, workspace=ws,
-           act_planes=act_planes, split_workspace=split_ws)
-    np.testing.assert_array_equal(act_planes.copy_to_host(), f32_to_bf16(gated.copy_to_host()))
-    check(out2, bf16_to_f32(act_planes.copy_to_host()), w2, bf16_inputs=True)
-    plans = [mm.wgmma_split_plan(m, n, k)[1], mm.wgmma_split_plan(m, 2 * f, k)[1]]
-    assert calls == plans + [plans[1], mm.wgmma_split_plan(m, k, f)[1]] and min(plans) > 1
-    assert (split_ws[1].copy_to_host() == 0).all()
+    if with_mlp:
+        w2 = make_inputs(3, 1, k, f)[1]
+        act_planes = device_empty((m, f), np.uint16)
+        out2 = stale_out(m, k)
+        mm.mlp(to_device(x), to_device(wg), to_device(w2), out2, None, None, bf16_inputs=True, workspace=ws,
+               act_planes=act_planes, split_workspace=split_ws)
+        np.testing.assert_array_equal(act_planes.copy_to_host(), f32_to_bf16(gated.copy_to_host()))
+        check(out2, bf16_to_f32(act_planes.copy_to_host()), w2, bf16_inputs=True)
+    return m, n, f, k, split_ws
 
 
 def test_entry_points_take_gemm_wgmma(monkeypatch):
