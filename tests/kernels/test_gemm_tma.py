@@ -142,8 +142,8 @@ def test_tma_plans():
 
 def test_entry_points_take_the_tma_decode_plan(monkeypatch):
     """With gemm_tma for decode switched on (TMA_DECODE_IN_ENGINE, as TINYVLLM_TMA_DECODE=1 on a GPU of compute
-    capability 9.0), matmul, gated_matmul and mlp given a split workspace send decode rows to gemm_tma with K
-    split: each result within the summation bounds, the counters zero afterwards."""
+    capability 9.0), matmul and gated_matmul given a split workspace send decode rows to gemm_tma with K split:
+    each result within the summation bounds, the counters zero afterwards."""
     calls = []
     kernel = gt.gemm_tma
     for name in ("WGMMA_IN_ENGINE", "WGMMA_SPLIT_IN_ENGINE", "TMA_IN_ENGINE", "TMA_DECODE_IN_ENGINE"):
