@@ -250,7 +250,8 @@ else:
 
     def tensor_map(array, rows: int, cols: int, box_rows: int, stream=0, readable: int | None = None):
         """A device array holding the tensor map of `array` (uint16, C-contiguous, rows * cols elements readable
-        from its start: its own, or `readable` where the caller knows its allocation goes on) seen as (rows, cols), boxes of box_rows x 64 with the 128-byte swizzle, zeros outside.
+        from its start: its own, or `readable` where the caller knows its allocation goes on) seen as (rows,
+        cols), boxes of box_rows x 64 with the 128-byte swizzle, zeros outside.
         Cached by what it encodes (address, extent, box): a map is made once, its 128 bytes copied in `stream`
         order. NOTE: so a CUDA graph must not be the first to use a map (capture forbids the copy); the eager
         steps of the engine's warm-up make them all first. Each launch asks again: the array keeps its maps, so

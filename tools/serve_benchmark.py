@@ -358,8 +358,8 @@ def table(out: Path) -> str:
         header.append(f"transformers serve --continuous-batching on {hf.get('device')}: healthy after "
                       f"{hf['ready_s']:.0f} s.")
     notes = ["", "TTFT: request sent to its first chunk with choices (its text may be empty); TPOT: (latency - TTFT) "
-             "/ (output tokens - 1) per request; ITL: gaps between streamed chunks. Client CPU: the load generator's CPU seconds per second of the run "
-             "(near 100%, it was the bottleneck)."]
+             "/ (output tokens - 1) per request; ITL: gaps between streamed chunks. Client CPU: the load generator's "
+             "CPU seconds per second of the run (near 100%, it was the bottleneck)."]
     return "\n".join(header + [""] + lines + notes + [""] + goals) + "\n"
 
 
