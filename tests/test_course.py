@@ -150,14 +150,14 @@ def test_a_results_file_that_contradicts_itself_is_refused():
 
 
 def test_the_committed_run_at_the_default_price(tmp_path, capsys):
-    """The committed H100 run: 858 tokens/s at batch 1 cost $0.81 per million at $2.50 an hour, 31,324 at
-    static batch 256 $0.022; the plot is written where matplotlib is installed, else the tool says why."""
+    """The committed H100 run: 892 tokens/s at batch 1 cost $0.78 per million at $2.50 an hour, 50,186 at
+    static batch 256 $0.014; the plot is written where matplotlib is installed, else the tool says why."""
     from tools import serving_cost
 
     assert serving_cost.main(["--plot", str(tmp_path / "cost.png")]) == 0
     out = capsys.readouterr()
-    assert "| tinyvllm | latency (prompt 128, 256 new) | 1 | 858 | 1.17 | 0.810 |" in out.out
-    assert "| tinyvllm | static (prompt 128, 256 new, prefill included) | 256 | 31,324 | 8.17 | 0.022 |" in out.out
+    assert "| tinyvllm | latency (prompt 128, 256 new) | 1 | 892 | 1.12 | 0.779 |" in out.out
+    assert "| tinyvllm | static (prompt 128, 256 new, prefill included) | 256 | 50,186 | 5.10 | 0.014 |" in out.out
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "cost.png").stat().st_size > 10_000
     else:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RESULTS = REPO / "tools" / "bench_results" / "2026-12-06-h100-b" / "goals.json"
+DEFAULT_RESULTS = REPO / "tools" / "bench_results" / "2026-12-07-h100-c" / "goals.json"
 DEFAULT_USD_PER_HOUR = 2.50   # an assumption, not a quote (see the module docstring)
 
 

@@ -1,7 +1,7 @@
 """Chapter 13 (serving economics): the benchmark's own results as tokens/s, time per token and dollars per
 million output tokens, by batch size (tools/serving_cost.py, on the committed H100 run at its assumed price).
 
-Nothing is measured here: every row is read from tools/bench_results/2026-12-06-h100-b/goals.json, which
+Nothing is measured here: every row is read from tools/bench_results/2026-12-07-h100-c/goals.json, which
 tools/bench.py wrote on the GPU. Each row's check recomputes what the JSON states from what it counted
 (tokens over seconds, sequences over the step time) and the cost from the price, so a results file whose
 numbers disagree with each other fails.
@@ -18,7 +18,7 @@ from tools.serving_cost import DEFAULT_RESULTS, DEFAULT_USD_PER_HOUR, ServingPoi
 RUNGS = [
     ("13a batch 1", "one sequence: every weight read for one token", "latency", 1),
     ("13b decode step, batch 16", "16 tokens per read of the weights", "decode step", 16),
-    ("13c decode step, batch 64", "64 tokens per read; the step grows 2.25x over batch 1", "decode step", 64),
+    ("13c decode step, batch 64", "64 tokens per read; the step grows 2.37x over batch 1", "decode step", 64),
     ("13d static batch 64", "with the prompts' prefill and the batch's ragged end", "static", 64),
     ("13e static batch 256", "the largest batch measured", "static", 256),
     ("13f continuous, 256 requests", "mixed lengths: prefills and long contexts in the steps", "throughput", 256),
