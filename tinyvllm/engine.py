@@ -313,9 +313,7 @@ class LLMEngine:
         seqs = self._by_request.get(request_id)
         if seqs is None or seqs[index].is_finished:
             return
-        self._finish(seqs[index], num_tokens, "stop")
-        if all(seq.is_finished for seq in seqs):
-            self._forget(seqs[0])
+        self._end_completion(seqs[index], num_tokens, "stop")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -333,10 +331,8 @@ class LLMEngine:
         rows = []
         for seq, token, count, reason in self._read_step():
             if reason is not None:
-                self._finish(seq, count, reason)
+                self._end_completion(seq, count, reason)
             rows.append((seq.request_id, seq.index, token, reason, self._row_extra(seq, count, reason)))
-            if reason is not None and all(s.is_finished for s in self._by_request[seq.request_id]):
-                self._forget(seq)
         self._settle_inflight()
         return rows
 
@@ -447,6 +443,13 @@ class LLMEngine:
     def _finish(self, seq: Sequence, count: int, reason: str) -> None:
         del seq.output_token_ids[count:]  # a token the next step samples for it is not its
         self.scheduler.finish(seq, reason)
+
+    def _end_completion(self, seq: Sequence, count: int, reason: str) -> None:
+        """_finish, and forget the request once every completion of it has ended (a request whose reader takes
+        token ids: no output of it is built later)."""
+        self._finish(seq, count, reason)
+        if all(s.is_finished for s in self._by_request[seq.request_id]):
+            self._forget(seq)
 
     def _text_outputs(self, read) -> list[RequestOutput]:
         """The tokens read back as text, stop strings looked for; an output per request it changed (a final_only
