@@ -220,9 +220,9 @@ SWEEP_WARPS = (2, 4, 8, 11)
 SWEEP_PARTITION_BLOCKS = (1, 2, 4, 8, 16, 32)
 
 
-def policy_sweep(shapes=SWEEP_SHAPES):
-    """Cases of the fast kernel at every (warps, KV blocks per partition) of the sweep on each shape, tables
-    as wide as a decode graph's bucket (the split policy sees the width, not the context), 8 lanes per key.
+def policy_sweep(shapes=SWEEP_SHAPES, lanes_options=(8,)):
+    """Cases of the fast kernel at every (lanes per key, warps, KV blocks per partition) of the sweep on each
+    shape, tables as wide as a decode graph's bucket (the split policy sees the width, not the context).
     A partition as wide as the table is the one-pass kernel; narrower ones add the reduce kernel."""
     rng = np.random.default_rng(0)
     cases = []
@@ -236,22 +236,24 @@ def policy_sweep(shapes=SWEEP_SHAPES):
         workspace = cuda.device_array(batch * HQ * width * (D + 2), np.float32)   # room for any split
         want = ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE)
         atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, [context] * batch)
-        for warps in SWEEP_WARPS:
-            for blocks in (b for b in SWEEP_PARTITION_BLOCKS if b <= width):
-                def run(stream, warps=warps, blocks=blocks, dq=dq, dk=dk, dv=dv, dt=dt, dl=dl, out=out,
-                        workspace=workspace):
-                    paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream,
-                                                        workspace=workspace, partition_blocks=blocks,
-                                                        lanes_per_key=8, warps=warps)
+        configs = [(lanes, warps, blocks) for lanes in lanes_options for warps in SWEEP_WARPS
+                   if warps <= paged_attention_gqa.fast_warps(D, HQ // HKV, lanes)
+                   for blocks in SWEEP_PARTITION_BLOCKS if blocks <= width]
+        for lanes, warps, blocks in configs:
+            def run(stream, lanes=lanes, warps=warps, blocks=blocks, dq=dq, dk=dk, dv=dv, dt=dt, dl=dl,
+                    out=out, workspace=workspace):
+                paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream,
+                                                    workspace=workspace, partition_blocks=blocks,
+                                                    lanes_per_key=lanes, warps=warps)
 
-                def check(run=run, out=out, want=want, atol=atol):
-                    run(0)
-                    np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+            def check(run=run, out=out, want=want, atol=atol):
+                run(0)
+                np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
 
-                parts = -(-width // blocks)
-                cases.append(Case("attention", f"batch {batch} x context {context}, table {width} blocks: "
-                                  f"{warps} warps, {parts} partitions of {blocks} blocks", run, check,
-                                  bytes_moved=2 * batch * context * HKV * D * 2))
+            parts = -(-width // blocks)
+            cases.append(Case("attention", f"batch {batch} x context {context}, table {width} blocks: "
+                              f"{lanes} lanes/key, {warps} warps, {parts} partitions of {blocks} blocks",
+                              run, check, bytes_moved=2 * batch * context * HKV * D * 2))
     return cases
 
 
@@ -259,7 +261,8 @@ PREFILL_SWEEP = ((4, 64), (4, 32), (8, 64), (2, 64))   # (warps, keys per tile)
 
 
 def main() -> None:
-    """--policy-sweep: time the fast decode kernel over warps and partitions (for paged_attention's policy).
+    """--policy-sweep: time the fast decode kernel over lanes per key, warps and partitions (for
+    attention_policy's decode policies; --shapes and --lanes choose what it sweeps).
     --prefill-sweep: time both tensor-core prefill kernels (attention_tc and the pipelined one) over (warps, keys
     per tile) on a 1,024-token prompt and on 4 x 256 (for attention_policy.prefill_tc_config and
     prefill_pipelined_config)."""
@@ -271,21 +274,27 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--policy-sweep", action="store_true")
     which.add_argument("--prefill-sweep", action="store_true")
+    parser.add_argument("--shapes", nargs="+", metavar="BATCH,CONTEXT,WIDTH",
+                        help="--policy-sweep's shapes (table width in KV blocks); default SWEEP_SHAPES")
+    parser.add_argument("--lanes", nargs="+", type=int, default=[8], choices=(4, 8),
+                        help="--policy-sweep's lanes per key (default 8)")
     args = parser.parse_args()
     if args.policy_sweep:
-        cases = policy_sweep()
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SWEEP_SHAPES
+        cases = policy_sweep(shapes, tuple(args.lanes))
     else:
         rng = np.random.default_rng(0)
         cases = [case for chunks in ([(1024, 0)], [(256, 0)] * 4)
                  for case in _prefill_cases(rng, chunks, tc_configs=PREFILL_SWEEP)]
-    print("| case | time (us) | TFLOP/s |")
+    print("| case | time (us) | TFLOP/s or GB/s |")
     print("| --- | ---: | ---: |")
     for case in cases:
         seconds = checked_time(case)
         if isinstance(seconds, str):
             print(f"| {case.name} | {seconds} | |", flush=True)
         else:
-            rate = f"{case.flops / seconds / 1e12:.1f}" if case.flops else ""
+            rate = (f"{case.flops / seconds / 1e12:.1f} TFLOP/s" if case.flops
+                    else f"{case.bytes_moved / seconds / 1e9:,.0f} GB/s")
             print(f"| {case.name} | {seconds * 1e6:,.1f} | {rate} |", flush=True)
 
 
