@@ -65,8 +65,8 @@ Versions (continuing matmul.py's list): 6. this kernel, for prefill and large ba
 sends x here when K % 8 == 0 and a planes workspace is given; gemm_tc stays for the rest); its gated
 epilogue (matmul.gated_matmul) replaced gemm + activation.silu_and_mul there, and its planes output the
 conversion of the MLP's activation (matmul.mlp). 7. the same kernel with K split over blocks and skinny
-tiles (matmul.skinny_plan), for decode batches between gemv's rows and matmul.PIPELINED_SKINNY_MAX_M (given a
-split workspace). Which tile and how many splits run for a shape is matmul.py's policy.
+tiles (skinny_plan), for decode batches between gemv's rows and PIPELINED_SKINNY_MAX_M (given a split
+workspace). Which tile and how many splits run for a shape is matmul_policy.py's choice.
 """
 
 from __future__ import annotations

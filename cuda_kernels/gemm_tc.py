@@ -29,7 +29,7 @@ per group (split-K inside the block, so that a skinny tile still has 8-16 warps)
 thread i stages 4-element quads i, i + threads, ... of x (three bf16 planes, or one with bf16_inputs) and
 of W into shared memory (one of STAGES buffers), while the next slab's quads are already loading into its
 registers. The tile (BM, BN, BK, WM, WN, KW, STAGES) is an argument; the engine's choice by shape is
-matmul.gemm_tc_tile (16- and 32-row tiles for decode batches, 64 x 64 and 128 x 128 for prefill).
+matmul_policy.gemm_tc_tile (16- and 32-row tiles for decode batches, 64 x 64 and 128 x 128 for prefill).
 
 Version 4 of the matmul ladder (matmul.py's docstring lists all of them): what it changes over the tiled
 SIMT gemm (gemm_simt.py) is the product itself, one mma for 16 x 8 x 16 multiply-adds instead of one FMA
@@ -387,7 +387,7 @@ def gemm_tc(x, weight, out, stream=0, tile: GemmTcTile | None = None, bf16_input
     with bf16_inputs, rounded to the nearest bf16 (one piece, a third of the mma work).
 
     tile: the block and warp tiles, K groups and stages; by default GemmTcTile(), 128 x 128 (SIM_TILE in the
-    simulator); the engine passes matmul.gemm_tc_tile's pick. x and the weight must be C-contiguous. The
+    simulator); the engine passes matmul_policy.gemm_tc_tile's pick. x and the weight must be C-contiguous. The
     weight is read 4 bf16 per load through its uint64 view when K % 4 == 0, one bf16 per load otherwise.
     """
     M, N, K = check_args(x, weight, out)

@@ -51,7 +51,7 @@ Versions (the GEMV ladder; gemm_simt.matmul_naive, one thread per output, is the
     and for weights of few rows K split over the warps of a block, so that enough bytes are in flight per
     SM to approach the DRAM bandwidth (Little's law: bandwidth x latency).
 2d. gemv pipelined (what the engine runs for the narrow weights at M = 1): the next pass's loads are issued
-    before the current pass is consumed. matmul.gemv_config picks the configuration by shape.
+    before the current pass is consumed. matmul_policy.gemv_config picks the configuration by shape.
 2e. the staged gemv (GemvStaged): the weights in flight wait in shared memory rather than registers, so a
     block holds few registers and the next kernel's blocks can be resident while this one finishes. Tested,
     timed, not picked by the policy (faster alone on QKV, not inside the decode step: docs/performance.md).
@@ -491,7 +491,7 @@ def gemv(x, weight, out, stream=0, config: GemvConfig | None = None, bf16_inputs
     path (16-bit loads), which is correct for any K but slower. Any M works: x is walked in chunks of up to
     8 rows and the weight is read once per chunk. config: warps per block, weight rows per warp, loads in
     flight per row and K split (tuning); by default GemvConfig(), the first version's one-load loop (the engine
-    passes matmul.gemv_config's pick).
+    passes matmul_policy.gemv_config's pick).
     gated: W is the fused [gate; up] (2F, K) and out (M, F) <- silu(x @ gate^T) * (x @ up^T), the SiLU*mul
     in the epilogue (config.rows_per_warp must be even: a warp pairs its gate and up rows).
     config may also be a GemvStaged (the staged gemv; K % 8 == 0, C-contiguous x and weight, and

@@ -79,7 +79,7 @@ kernel.
 Versions (continuing matmul.py's list): 8. this kernel, for bf16 inputs at M between gemv's rows and 64, where
 gemm_pipelined's skinny plan stages W through shared memory and adds split-K partials across blocks. It wins on
 small weights and loses on large ones (each warp reads x's fragments itself, one load per n8 tile and k-step,
-where the skinny plan stages x once per block; row_tiles > 1 divides those x reads): matmul.uses_gemv_tc
+where the skinny plan stages x once per block; row_tiles > 1 divides those x reads): matmul_policy.uses_gemv_tc
 picks it by shape, gemv_tc_config its configuration, both as timed with ``python -m
 tools.kernel_benchmarks.matmul --gemv-tc`` (docs/performance.md, "gemv_tc").
 """

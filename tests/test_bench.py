@@ -525,20 +525,20 @@ def test_tma_split_plans_fill_the_gpu_once_with_valid_splits(m, n, k):
     """The --tma benchmark's gemm_tma plans: at decode sizes each candidate tile at about one block per SM and at
     half that, every split non-empty and at least the minimum slabs long; at prefill sizes every tile unsplit."""
     from cuda_kernels import gemm_tma as gtma
-    from cuda_kernels import matmul as mm
+    from cuda_kernels import matmul_policy as mp
     from cuda_kernels.split_k import valid_splits
     from tools.kernel_benchmarks.matmul import TMA_CANDIDATES, TMA_DECODE_CANDIDATES, tma_split_plans
 
     plans = tma_split_plans(m, n, k)
     slabs = -(-k // gtma.TILE_K)
-    if m >= mm.WGMMA_MIN_M:
+    if m >= mp.WGMMA_MIN_M:
         assert plans == [(t, 1) for t in TMA_CANDIDATES]
         return
     assert {t for t, _ in plans} == set(TMA_DECODE_CANDIDATES)
     for tile, splits in plans:
         assert splits in valid_splits(slabs)
-        assert splits == 1 or slabs // splits >= mm.WGMMA_MIN_SPLIT_SLABS
-        assert gtma.tiles(tile, m, n) * splits <= 1.5 * mm.SM_COUNT
+        assert splits == 1 or slabs // splits >= mp.WGMMA_MIN_SPLIT_SLABS
+        assert gtma.tiles(tile, m, n) * splits <= 1.5 * mp.SM_COUNT
     fullest = max(gtma.tiles(t, m, n) * s for t, s in plans)
-    assert fullest >= min(mm.SM_COUNT // 2, max(gtma.tiles(t, m, n) * (slabs // mm.WGMMA_MIN_SPLIT_SLABS)
+    assert fullest >= min(mp.SM_COUNT // 2, max(gtma.tiles(t, m, n) * (slabs // mp.WGMMA_MIN_SPLIT_SLABS)
                                                    for t in TMA_DECODE_CANDIDATES))

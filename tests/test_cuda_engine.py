@@ -261,8 +261,8 @@ def first_step_logits(model_dir, llm, lengths, precision="fp32", prompts=None):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU (TINYVLLM_TEST_PROFILE=gpu)")
 def test_first_step_logits_match_the_reference(llama_1b, gpu_llm):
-    # 300 + 37 + 1 tokens: more than matmul.PIPELINED_MIN_M, so the layers' matmuls run gemm_pipelined's
-    # prefill tiles; 20 + 13 + 9 tokens: its skinny tiles with K split over blocks (matmul.pipelined_plan)
+    # 300 + 37 + 1 tokens: more than matmul_policy.PIPELINED_MIN_M, so the layers' matmuls run gemm_pipelined's
+    # prefill tiles; 20 + 13 + 9 tokens: its skinny tiles with K split over blocks (matmul_policy.pipelined_plan)
     for lengths in ((300, 37, 1), (20, 13, 9)):
         got, want = first_step_logits(llama_1b, gpu_llm, lengths)
         # fp32 everywhere, different summation order, and bf16 KV rounding flips: see test_reference_llama
@@ -323,16 +323,16 @@ def test_bf16_matmul_precision_matches_its_reference(tiny_model_dir, monkeypatch
     (of 3.4) with either GEMM; at 40 tokens they matched to 2.4e-7. On the 1B model even float64 sums in the
     reference move the logits by 60% of the rounding's own effect, so no tolerance separates a correct GPU
     there."""
-    from cuda_kernels import matmul
+    from cuda_kernels import matmul_policy
 
     llm = LLM(tiny_model_dir, backend="cuda", block_size=4, num_kv_blocks=128, matmul_precision="bf16")
     c = llm.engine.config
     rows, qkv_rows = 50, c.q_size + 2 * c.kv_size
-    assert not matmul.uses_pipelined(rows, qkv_rows, c.hidden_size)
-    for min_m in (matmul.PIPELINED_MIN_M, 1):
-        monkeypatch.setattr(matmul, "PIPELINED_MIN_M", min_m)
-        monkeypatch.setattr(matmul, "PIPELINED_WIDE_MIN_M", min_m)
-        assert matmul.uses_pipelined(rows, qkv_rows, c.hidden_size) == (min_m == 1)
+    assert not matmul_policy.uses_pipelined(rows, qkv_rows, c.hidden_size)
+    for min_m in (matmul_policy.PIPELINED_MIN_M, 1):
+        monkeypatch.setattr(matmul_policy, "PIPELINED_MIN_M", min_m)
+        monkeypatch.setattr(matmul_policy, "PIPELINED_WIDE_MIN_M", min_m)
+        assert matmul_policy.uses_pipelined(rows, qkv_rows, c.hidden_size) == (min_m == 1)
         got, want = first_step_logits(tiny_model_dir, llm, (40, 9, 1), "bf16")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     _, fp32 = first_step_logits(tiny_model_dir, llm, (40, 9, 1), "fp32")

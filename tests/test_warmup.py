@@ -20,21 +20,21 @@ def test_token_counts_cover_every_class_of_the_matmul_policies():
     assert token_counts(5) == [1, 2, 3, 4, 5] and token_counts(100) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 100]
 
 
-def gpu_matmul_kernel(mm, m, n, k, gated):
+def gpu_matmul_kernel(mp, m, n, k, gated):
     """What decides the kernel a GPU engine's matmul compiles for x (m, k) @ W (n, k)^T, bf16 inputs, planes and
     split workspaces given: the family and its compile-time configuration (a split count is a launch argument,
     not a kernel: only whether K is split counts)."""
-    if mm.uses_gemv(m, n):
-        return "gemv", mm.gemv_config(m, n, k)
-    if mm.uses_gemv_tc(m, n, k, True):
-        return "gemv_tc", mm.gemv_tc_config(m, n, k)
-    plan = mm.wgmma_plan(m, n, k, True, split_workspace=())
-    if plan and mm.uses_tma(m):
-        tile, splits = mm.tma_plan(m, n, k)
+    if mp.uses_gemv(m, n):
+        return "gemv", mp.gemv_config(m, n, k)
+    if mp.uses_gemv_tc(m, n, k, True):
+        return "gemv_tc", mp.gemv_tc_config(m, n, k)
+    plan = mp.wgmma_plan(m, n, k, True, split_workspace=())
+    if plan and mp.uses_tma(m):
+        tile, splits = mp.tma_plan(m, n, k)
         return "gemm_tma", tile, splits > 1
     if plan:
         return "gemm_wgmma", plan[0], plan[1] > 1
-    tile, splits = mm.pipelined_plan(m, n, k, True, gated, split_workspace=())
+    tile, splits = mp.pipelined_plan(m, n, k, True, gated, split_workspace=())
     return "gemm_pipelined", tile, splits > 1
 
 
@@ -45,13 +45,13 @@ def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch, tma
     matmul policies of an H100 or H200 (gemv, gemv_tc, gemm_pipelined's skinny plans and tiles, gemm_wgmma's
     split plans and tiles, gemm_tma's tiles and, with TMA_DECODE_IN_ENGINE, its split plans), which this
     machine's simulator settings would otherwise hide."""
-    from cuda_kernels import matmul as mm
+    from cuda_kernels import matmul_policy as mp
     from cuda_kernels import wgmma
 
     for name, value in [("SIMULATOR", False), ("GEMV_MAX_M", 8), ("GEMV_WIDE_MAX_M", 4), ("GEMV_TC_IN_ENGINE", True),
                         ("WGMMA_IN_ENGINE", True), ("WGMMA_SPLIT_IN_ENGINE", True), ("TMA_IN_ENGINE", True),
                         ("TMA_DECODE_IN_ENGINE", tma_decode)]:
-        monkeypatch.setattr(mm, name, value)
+        monkeypatch.setattr(mp, name, value)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     limit = 2048
     classes = token_counts(limit)
@@ -59,8 +59,8 @@ def test_every_row_count_takes_the_kernels_of_its_warm_up_class(monkeypatch, tma
     for m in range(1, limit + 1):
         representative = min(c for c in classes if c >= m)
         for n, k, gated in LLAMA_1B_MATMULS:
-            kernel = gpu_matmul_kernel(mm, m, n, k, gated)
-            assert kernel == gpu_matmul_kernel(mm, representative, n, k, gated), (m, representative, n, k)
+            kernel = gpu_matmul_kernel(mp, m, n, k, gated)
+            assert kernel == gpu_matmul_kernel(mp, representative, n, k, gated), (m, representative, n, k)
             seen.add(kernel[0])
     assert seen == {"gemv", "gemv_tc", "gemm_pipelined", "gemm_tma"} | (set() if tma_decode else {"gemm_wgmma"})
 

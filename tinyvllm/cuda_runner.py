@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (the numpy shim precedes numba.cuda)
-from cuda_kernels import attention_policy, embedding, gemm_pipelined, matmul, rmsnorm, sampling_policy
+from cuda_kernels import attention_policy, embedding, gemm_pipelined, matmul, matmul_policy, rmsnorm, sampling_policy
 from cuda_kernels import kv_cache, kv_format, logprobs, penalties
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import preparing
@@ -132,7 +132,7 @@ class CUDARunner:
         weight_shapes = [(c.q_size + 2 * c.kv_size, c.hidden_size, False), (c.hidden_size, c.q_size, False),
                          (2 * c.intermediate_size, c.hidden_size, True), (c.hidden_size, c.intermediate_size, False),
                          (c.vocab_size, c.hidden_size, False)]
-        partials, counters = matmul.split_workspace_sizes(weight_shapes, self.bf16_inputs)
+        partials, counters = matmul_policy.split_workspace_sizes(weight_shapes, self.bf16_inputs)
         self.split_workspace = None if SIMULATOR else (empty(partials, f32),
                                                        cuda.to_device(np.zeros(counters, np.int32)))
         # the MLP's act as the down projection's planes, written by the gate/up GEMM (matmul.mlp)
@@ -389,8 +389,8 @@ class CUDARunner:
 
     def _planes_for(self, t: int, n: int, gated: bool):
         """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) reads x's bf16 planes
-        (gemv_tc or gemm_pipelined: matmul.reads_planes), which the norm before it then writes, else None."""
-        reads = matmul.reads_planes(t, n, self.config.hidden_size, self.bf16_inputs, gated, self.split_workspace)
+        (gemv_tc or gemm_pipelined: matmul_policy.reads_planes), which the norm before it then writes, else None."""
+        reads = matmul_policy.reads_planes(t, n, self.config.hidden_size, self.bf16_inputs, gated, self.split_workspace)
         return self.planes if reads else None
 
     def _prefixes(self, t: int, n: int) -> dict:
@@ -475,7 +475,7 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """CUDA-graph batch sizes: powers of two up to 128, then steps of 64, up to max_num_seqs.
     NOTE: few buckets, because the warm-up captures every one of them before the engine reports ready. The
     padding they cost is small: the decode GEMMs' tiles already round M up to 16, 32, 64 or 128 rows
-    (matmul.PIPELINED_SKINNY_TILES), and a padding row's attention is empty (context length 0)."""
+    (matmul_policy.PIPELINED_SKINNY_TILES), and a padding row's attention is empty (context length 0)."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_num_seqs] + list(range(192, max_num_seqs, 64))
     return tuple(sizes) + (max_num_seqs,)
 

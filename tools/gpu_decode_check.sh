@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 29's next measurement in one GPU call (about 7 minutes with a carried kernel cache): gemm_tma for decode
-# batches (matmul.TMA_DECODE_IN_ENGINE, off by default) against what the engine runs now.
+# batches (matmul_policy.TMA_DECODE_IN_ENGINE, off by default) against what the engine runs now.
 #   1. gemm_tma's tests on the GPU (split K, the decode entry points) - the rest is skipped if they fail;
 #   2. the kernel benchmark: the engine's matmul against gemm_tma's decode tiles at 16-128 rows, weights cold;
 #   3. the decode step kernel by kernel (tools/profile_step.py at batch 1, 16, 64, 128, 256: the plain graph's
 #      time and each kernel's) with TINYVLLM_TMA_DECODE=0 and =1, one process each (the switch is read at import);
 #   4. with it on, the engine's greedy tokens, its graphs and nothing compiled or captured after the warm-up
 #      (so every tensor map was made before the graphs were captured): tests/test_cuda_engine.py.
-# Usage: [KERNEL_CACHE_IN=DIR] bash tools/gpu_decode_check.sh OUT_DIR
+# Usage: [KERNEL_CACHE_IN=DIR] [DECODE_CHECK_KERNELS=0] bash tools/gpu_decode_check.sh OUT_DIR
+# (DECODE_CHECK_KERNELS=0 skips step 2, for a short call)
 # Every phase has a time limit (DECODE_CHECK_BUDGET seconds in all, default 560); results are written as they come.
 set -u
 out=${1:?usage: gpu_decode_check.sh OUT_DIR}
@@ -28,9 +29,11 @@ timeout -s INT "$(left 400 150)" python3 -m pytest -q -x -p no:cacheprovider -o 
 rc=$?; echo "gemm_tma tests: exit $rc at ${SECONDS} s" | tee -a "$out/env.txt"
 if [ "$rc" -eq 0 ]; then
   # 2. the kernels alone
-  timeout "$(left 330 120)" python3 -m tools.kernel_benchmarks.matmul --tma --m 16 32 64 128 \
-    --weights gate_up down qkv o > "$out/tma_decode_kernels.md" 2>&1
-  echo "kernel benchmark: exit $? at ${SECONDS} s" | tee -a "$out/env.txt"
+  if [ "${DECODE_CHECK_KERNELS:-1}" != 0 ]; then
+    timeout "$(left 330 120)" python3 -m tools.kernel_benchmarks.matmul --tma --m 16 32 64 128 \
+      --weights gate_up down qkv o > "$out/tma_decode_kernels.md" 2>&1
+    echo "kernel benchmark: exit $? at ${SECONDS} s" | tee -a "$out/env.txt"
+  fi
   # 3. the decode step, off then on
   for flag in 0 1; do
     TINYVLLM_TMA_DECODE=$flag timeout "$(left 150 150)" python3 tools/profile_step.py --batch 1,16,64,128,256 \

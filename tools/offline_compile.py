@@ -208,7 +208,7 @@ def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf1
         return ScheduledSequence(seq, new_tokens)
 
     runner.execute([scheduled(100, 100, 0.7), scheduled(30, 30, 0.0)])      # prefill, sampled
-    runner.execute([scheduled(320, 320, 0.0)])   # a prefill of matmul.WGMMA_MIN_M rows or more: gemm_wgmma
+    runner.execute([scheduled(320, 320, 0.0)])   # a prefill of matmul_policy.WGMMA_MIN_M rows or more: gemm_wgmma
     for batch in (1, 8, 16, 64, 128, 256):   # decode, greedy: gemv, then the split-K GEMMs of each tile
         runner.execute([scheduled(3000, 1, 0.0) for _ in range(batch)])
 

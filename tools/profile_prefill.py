@@ -40,7 +40,7 @@ from cuda_kernels import compat  # noqa: E402,F401  (the numpy shim before numba
 from cuda_kernels.compat import SIMULATOR  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from cuda_kernels import attention_policy, embedding, matmul, rmsnorm, sampling_policy  # noqa: E402
+from cuda_kernels import attention_policy, embedding, matmul, matmul_policy, rmsnorm, sampling_policy  # noqa: E402
 from tinyvllm import LLM  # noqa: E402
 from tinyvllm.cuda_graph import CUDAGraph  # noqa: E402
 from tools.bench import greedy, tv_prefill  # noqa: E402
@@ -200,13 +200,13 @@ def main(argv=None) -> int:
                         "alternating in the same engine (attention_policy.PREFILL_PIPELINED), two rounds")
     p.add_argument("--wgmma-ab", action="store_true",
                    help="also time the TTFT with the prefill GEMMs on gemm_pipelined and on gemm_wgmma (bf16 "
-                        "inputs), alternating in the same engine (matmul.WGMMA_IN_ENGINE), two rounds")
+                        "inputs), alternating in the same engine (matmul_policy.WGMMA_IN_ENGINE), two rounds")
     p.add_argument("--tall-ab", action="store_true",
                    help="also time the TTFT with gemm_wgmma's 256-row tile in its policy and without (bf16 "
-                        "inputs), alternating in the same engine (matmul.WGMMA_TALL_IN_ENGINE), two rounds")
+                        "inputs), alternating in the same engine (matmul_policy.WGMMA_TALL_IN_ENGINE), two rounds")
     p.add_argument("--tma-ab", action="store_true",
                    help="also time the TTFT with the prefill GEMMs on gemm_wgmma and on gemm_tma (bf16 inputs), "
-                        "alternating in the same engine (matmul.TMA_IN_ENGINE), two rounds")
+                        "alternating in the same engine (matmul_policy.TMA_IN_ENGINE), two rounds")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -230,11 +230,11 @@ def main(argv=None) -> int:
         if args.attention_ab:
             switch_ab(llm, prompt, attention_policy, "PREFILL_PIPELINED", ("attention_tc", "pipelined"))
         if args.wgmma_ab and precision == "bf16":
-            switch_ab(llm, prompt, matmul, "WGMMA_IN_ENGINE", ("gemm_pipelined", "gemm_wgmma"))
+            switch_ab(llm, prompt, matmul_policy, "WGMMA_IN_ENGINE", ("gemm_pipelined", "gemm_wgmma"))
         if args.tall_ab and precision == "bf16":
-            switch_ab(llm, prompt, matmul, "WGMMA_TALL_IN_ENGINE", ("128-row tiles", "256-row tile"))
+            switch_ab(llm, prompt, matmul_policy, "WGMMA_TALL_IN_ENGINE", ("128-row tiles", "256-row tile"))
         if args.tma_ab and precision == "bf16":
-            switch_ab(llm, prompt, matmul, "TMA_IN_ENGINE", ("gemm_wgmma", "gemm_tma"))
+            switch_ab(llm, prompt, matmul_policy, "TMA_IN_ENGINE", ("gemm_wgmma", "gemm_tma"))
         total, parts = synced_breakdown(llm, prompt, args.runs)
         print(f"{precision}: {total:.2f} ms per prefill with every launcher synchronized")
         print_table(f"launcher ({precision}), synchronized", parts)

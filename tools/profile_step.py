@@ -115,19 +115,19 @@ def skipped_launches(record, names):
 
 
 def with_gemv_configs(record, overrides: dict):
-    """Run record() with matmul.gemv_config returning overrides[(n, k)] for those weight shapes."""
-    from cuda_kernels import matmul
+    """Run record() with matmul_policy.gemv_config returning overrides[(n, k)] for those weight shapes."""
+    from cuda_kernels import matmul_policy
 
-    default = matmul.gemv_config
+    default = matmul_policy.gemv_config
 
     def config(m, n, k):
         return overrides.get((n, k)) or default(m, n, k)
 
-    matmul.gemv_config = config
+    matmul_policy.gemv_config = config
     try:
         record()
     finally:
-        matmul.gemv_config = default
+        matmul_policy.gemv_config = default
 
 
 def graph_time(graph, stream) -> float:

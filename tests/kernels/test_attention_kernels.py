@@ -18,8 +18,8 @@ from kernel_support import F32_EPS, SIM, assert_close, device_empty, examples, p
 
 from numba import cuda
 
-from cuda_kernels import (attention, attention_policy, attention_tc, attention_tc_pipelined, gemv, kv_format, matmul,
-                          paged_attention, paged_attention_gqa)
+from cuda_kernels import (attention, attention_policy, attention_tc, attention_tc_pipelined, gemv, kv_format,
+                          matmul_policy, paged_attention, paged_attention_gqa)
 from reference import paged_attention as ref
 from reference.bf16 import f32_to_bf16, round_to_bf16
 from reference.kv_cache import allocate_kv_cache, kv_cache_write
@@ -317,7 +317,7 @@ def test_decode_attention_reads_the_newest_key_after_its_writer(seed, contexts, 
     lanes, warps, _ = attention_policy.decode_config(len(lens), hq, hkv, d, tables.shape[1])
 
     def layer(stream):
-        gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul.gemv_config(len(lens), *w.shape),
+        gemv.gemv_rope(*args, k_dev, v_dev, slots_dev, q, stream, config=matmul_policy.gemv_config(len(lens), *w.shape),
                        **scales)
         if split:
             paged_attention_gqa.paged_attention(q, k_dev, v_dev, tables_dev, lens_dev, scale, out, stream,

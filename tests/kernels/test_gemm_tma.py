@@ -21,6 +21,7 @@ from tests_support import LLAMA_1B_MATMULS
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_tma as gt
 from cuda_kernels import matmul as mm
+from cuda_kernels import matmul_policy as mp
 from cuda_kernels import tma, wgmma
 from cuda_kernels.split_k import valid_splits
 
@@ -120,24 +121,24 @@ def test_gemm_tma_split_k(tile, epilogue, seed, m, n, slabs, data):
 
 
 def test_tma_plans():
-    """matmul.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes the first decode tile
+    """matmul_policy.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes the first decode tile
     whose rows cover M, with splits for about a block per SM and none empty or short, which
     split_workspace_sizes covers for the 1B model's weights."""
-    partials, counters = mm.split_workspace_sizes(LLAMA_1B_MATMULS, True)
-    assert mm.tma_plan(1024, 16384, 2048) == (mm.tma_tile(1024, 16384), 1) == (gt.TmaTile(256, 128, 4), 1)
-    assert mm.tma_plan(1024, 2048, 2048) == (gt.TmaTile(128, 128, 6), 1)   # 256-row tiles: 64 blocks, too few
+    partials, counters = mp.split_workspace_sizes(LLAMA_1B_MATMULS, True)
+    assert mp.tma_plan(1024, 16384, 2048) == (mp.tma_tile(1024, 16384), 1) == (gt.TmaTile(256, 128, 4), 1)
+    assert mp.tma_plan(1024, 2048, 2048) == (gt.TmaTile(128, 128, 6), 1)   # 256-row tiles: 64 blocks, too few
     for n, k, _ in LLAMA_1B_MATMULS:
-        for m in range(mm.wgmma_split_min_m(n, k), mm.WGMMA_MIN_M):
-            tile, splits = mm.tma_plan(m, n, k)
-            assert tile == mm.TMA_DECODE_TILES[min(r for r in mm.TMA_DECODE_TILES if r >= m)]
+        for m in range(mp.wgmma_split_min_m(n, k), mp.WGMMA_MIN_M):
+            tile, splits = mp.tma_plan(m, n, k)
+            assert tile == mp.TMA_DECODE_TILES[min(r for r in mp.TMA_DECODE_TILES if r >= m)]
             slabs, tiles = -(-k // 64), gt.tiles(tile, m, n)
             assert splits in valid_splits(slabs)
-            assert splits == 1 or slabs // splits >= mm.WGMMA_MIN_SPLIT_SLABS
-            assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
+            assert splits == 1 or slabs // splits >= mp.WGMMA_MIN_SPLIT_SLABS
+            assert splits == 1 or tiles * (splits - 0.5) <= mp.SM_COUNT
             assert splits == 1 or (gt.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
-    assert mm.tma_plan(64, 2048, 8192) == (gt.TmaTile(64, 128, 8), 8)     # down: 16 tiles x 8 splits
-    assert mm.tma_plan(128, 3072, 2048) == (gt.TmaTile(128, 128, 6), 4)   # QKV: 24 tiles x 4 splits of 8 slabs
-    assert mm.tma_plan(256, 16384, 2048) == (gt.TmaTile(128, 128, 6), 1)  # gate/up: 256 tiles, no split
+    assert mp.tma_plan(64, 2048, 8192) == (gt.TmaTile(64, 128, 8), 8)     # down: 16 tiles x 8 splits
+    assert mp.tma_plan(128, 3072, 2048) == (gt.TmaTile(128, 128, 6), 4)   # QKV: 24 tiles x 4 splits of 8 slabs
+    assert mp.tma_plan(256, 16384, 2048) == (gt.TmaTile(128, 128, 6), 1)  # gate/up: 256 tiles, no split
 
 
 def test_entry_points_take_the_tma_decode_plan(monkeypatch):
@@ -147,14 +148,14 @@ def test_entry_points_take_the_tma_decode_plan(monkeypatch):
     calls = []
     kernel = gt.gemm_tma
     for name in ("WGMMA_IN_ENGINE", "WGMMA_SPLIT_IN_ENGINE", "TMA_IN_ENGINE", "TMA_DECODE_IN_ENGINE"):
-        monkeypatch.setattr(mm, name, True)
+        monkeypatch.setattr(mp, name, True)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     if SIM:   # one block tile of rows (a simulated block costs seconds)
-        monkeypatch.setattr(mm, "TMA_DECODE_TILES", {mm.WGMMA_MIN_M - 1: gt.SIM_TILE})
-        monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
+        monkeypatch.setattr(mp, "TMA_DECODE_TILES", {mp.WGMMA_MIN_M - 1: gt.SIM_TILE})
+        monkeypatch.setattr(mp, "WGMMA_SPLIT_MIN_M", 9)
     monkeypatch.setattr(gt, "gemm_tma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
     m, n, f, k, split_ws = check_split_entry_points(monkeypatch, with_mlp=False)
-    plans = [mm.tma_plan(m, n, k)[1], mm.tma_plan(m, 2 * f, k)[1]]
+    plans = [mp.tma_plan(m, n, k)[1], mp.tma_plan(m, 2 * f, k)[1]]
     assert calls == plans and min(plans) > 1
     assert (split_ws[1].copy_to_host() == 0).all()
 

@@ -22,6 +22,7 @@ from test_matmul_kernels import (ROPE_FORMATS, check, check_gated, check_rope, m
 
 from cuda_kernels import gemv_tc as gt
 from cuda_kernels import matmul as mm
+from cuda_kernels import matmul_policy as mp
 from reference.bf16 import f32_to_bf16
 from reference.matmul import bf16_planes as reference_bf16_planes
 
@@ -229,22 +230,22 @@ def test_n_tiles_cover_m():
 
 
 @settings(max_examples=examples(2, 4))
-@given(seeds, st.integers(pick(1, 9), mm.GEMV_TC_MAX_M))
+@given(seeds, st.integers(pick(1, 9), mp.GEMV_TC_MAX_M))
 def test_engine_entry_points_take_gemv_tc(seed, m):
     """matmul, gated_matmul, mlp and matmul_rope_kv_write with bf16 inputs and a planes workspace run gemv_tc
     at decode batches (in
     the simulator once GEMV_TC_IN_ENGINE is switched on): each against the reference; mlp passes act from the
     gated gemv_tc to the down gemv_tc as a bf16 plane; planes_ready reads the workspace, not x."""
-    n, f, k = pick((40, 24, 64), (3072, 1536, 2048))   # weights gemv_tc serves (matmul.GEMV_TC_MAX_WEIGHT)
+    n, f, k = pick((40, 24, 64), (3072, 1536, 2048))   # weights gemv_tc serves (matmul_policy.GEMV_TC_MAX_WEIGHT)
     x, w = make_inputs(seed, m, n, k)
     gate_up, down = make_inputs(seed + 1, 1, 2 * f, k)[1], make_inputs(seed + 2, 1, k, f)[1]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mm, "GEMV_TC_IN_ENGINE", True)
+        patch.setattr(mp, "GEMV_TC_IN_ENGINE", True)
         if SIM:   # the policy's 256-thread blocks cost seconds a launch there: a 64-thread configuration
             small = gt.GemvTcConfig(2, 1, 1)
-            patch.setattr(mm, "GEMV_TC_CONFIGS", {nt: (small, small) for nt in mm.GEMV_TC_CONFIGS})
-        assert mm.uses_gemv_tc(m, n, k, True) and not mm.uses_gemv_tc(m, n, k, False)
-        assert not mm.uses_gemv_tc(mm.GEMV_TC_MAX_M + 1, n, k, True)
+            patch.setattr(mp, "GEMV_TC_CONFIGS", {nt: (small, small) for nt in mp.GEMV_TC_CONFIGS})
+        assert mp.uses_gemv_tc(m, n, k, True) and not mp.uses_gemv_tc(m, n, k, False)
+        assert not mp.uses_gemv_tc(mp.GEMV_TC_MAX_M + 1, n, k, True)
         workspace = device_empty(m * max(k, f), np.uint16)
         out = stale_out(m, n)
         mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=workspace)

@@ -1,6 +1,7 @@
 """The matmul family against reference/matmul.py: cuda_kernels/gemm_simt.py (naive, gemm), gemv.py (gemv_warp,
-gemv and its epilogues (gemv_epilogues.py), the staged gemv), gemm_tc.py, gemm_pipelined.py and the dispatch and
-policies of matmul.py; and the primitives of cuda_kernels/mma.py and cuda_kernels/async_copy.py on their own.
+gemv and its epilogues (gemv_epilogues.py), the staged gemv), gemm_tc.py, gemm_pipelined.py, the dispatch of
+matmul.py and the policies of matmul_policy.py; and the primitives of cuda_kernels/mma.py and
+cuda_kernels/async_copy.py on their own.
 
 Every version is checked the same way: random x and bf16 W of hypothesis-chosen shapes and magnitudes, the
 output compared elementwise with a tolerance derived from the numerics (fp32 sums in another order than
@@ -24,6 +25,7 @@ from cuda_kernels import gemm_simt as simt
 from cuda_kernels import gemm_tc as tc
 from cuda_kernels import gemv as gv
 from cuda_kernels import matmul as mm
+from cuda_kernels import matmul_policy as mp
 from cuda_kernels import mma
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT, STATIC_SHARED_LIMIT
 from cuda_kernels.primitives import WARP
@@ -129,7 +131,7 @@ def test_gemv_warp(seed, m, nk, x_scale, w_scale, bf16_inputs):
     check(run(gv.gemv_warp, x, w, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
-POLICY = "policy"   # in a list of configurations: matmul.gemv_config's pick for the shape
+POLICY = "policy"   # in a list of configurations: matmul_policy.gemv_config's pick for the shape
 GEMV_CONFIGS = [POLICY, gv.GemvConfig(), gv.GemvConfig(warps_per_block=3, rows_per_warp=1)]
 # Loads in flight and K split: (warps, rows per warp, unroll, k_split); a pass of the block covers
 # 32 * unroll * k_split words (4 bf16 each) of a row.
@@ -138,8 +140,8 @@ GEMV_CONFIGS = [POLICY, gv.GemvConfig(), gv.GemvConfig(warps_per_block=3, rows_p
 GEMV_PASS_CONFIGS = [gv.GemvConfig(2, 1, 2, 1), gv.GemvConfig(2, 2, 1, 2), gv.GemvConfig(4, 1, 2, 2),
                      gv.GemvConfig(2, 1, 2, 1, True), gv.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    GEMV_PASS_CONFIGS += [gv.GemvConfig(8, 1, 4, 4), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K,
-                          mm.GEMV_LONG_K_M, mm.GEMV_WIDE_M, mm.GEMV_SPLIT_M]
+    GEMV_PASS_CONFIGS += [gv.GemvConfig(8, 1, 4, 4), mp.GEMV_WIDE, mp.GEMV_SPLIT, mp.GEMV_SPLIT_SMALL, mp.GEMV_LONG_K,
+                          mp.GEMV_LONG_K_M, mp.GEMV_WIDE_M, mp.GEMV_SPLIT_M]
 
 
 @pytest.mark.parametrize("path", ["u64", "u64-view-given", "scalar"])
@@ -155,19 +157,19 @@ def test_gemv(path, seed, m, nk, x_scale, w_scale, config, bf16_inputs):
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
     out = stale_out(m, n)
     w_dev = to_device(w)
-    config = mm.gemv_config(m, n, k) if config == POLICY else config
+    config = mp.gemv_config(m, n, k) if config == POLICY else config
     gv.gemv(to_device(x), w_dev.view(np.uint64) if path == "u64-view-given" else w_dev, out, config=config,
             bf16_inputs=bf16_inputs)
     check(out, x, w, bf16_inputs)
 
 
 @pytest.mark.parametrize("m, n, k, want", [
-    (1, 3072, 2048, mm.GEMV_SPLIT), (1, 2048, 2048, mm.GEMV_SPLIT_SMALL), (1, 2048, 8192, mm.GEMV_LONG_K),
-    (1, 128256, 2048, mm.GEMV_WIDE),
-    (2, 2048, 8192, mm.GEMV_LONG_K_M), (4, 2048, 8192, mm.GEMV_SPLIT_M), (8, 16384, 2048, mm.GEMV_WIDE_M),
+    (1, 3072, 2048, mp.GEMV_SPLIT), (1, 2048, 2048, mp.GEMV_SPLIT_SMALL), (1, 2048, 8192, mp.GEMV_LONG_K),
+    (1, 128256, 2048, mp.GEMV_WIDE),
+    (2, 2048, 8192, mp.GEMV_LONG_K_M), (4, 2048, 8192, mp.GEMV_SPLIT_M), (8, 16384, 2048, mp.GEMV_WIDE_M),
 ])
 def test_gemv_config_policy(m, n, k, want):
-    assert mm.gemv_config(m, n, k) == want
+    assert mp.gemv_config(m, n, k) == want
 
 
 # NOTE: the configurations are parameters, not drawn by hypothesis: drawn, a given one went untested in about a
@@ -206,7 +208,7 @@ def check_gated(out, x, w, bf16_inputs=False):
 GATED_CONFIGS = [POLICY, gv.GemvConfig(2, 2, 1, 1), gv.GemvConfig(2, 2, 1, 2), gv.GemvConfig(1, 4, 2, 1),
                  gv.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    GATED_CONFIGS += [mm.GEMV_WIDE, mm.GEMV_WIDE_M, mm.GEMV_SPLIT, mm.GEMV_SPLIT_M]
+    GATED_CONFIGS += [mp.GEMV_WIDE, mp.GEMV_WIDE_M, mp.GEMV_SPLIT, mp.GEMV_SPLIT_M]
 # (F, K): the gate/up of the 1B model (F = 8192) on the GPU, or odd sizes; tiny ones in the simulator
 gated_shapes = (st.tuples(st.integers(1, 9), st.integers(1, 300)) if SIM else
                 st.one_of(st.just((8192, 2048)), st.tuples(st.integers(1, 3000), st.integers(1, 3000))))
@@ -221,7 +223,7 @@ def test_gemv_gated(config, seed, m, fk, x_scale, bf16_inputs):
     f, k = fk
     x, w = make_inputs(seed, m, 2 * f, k, x_scale)
     out = stale_out(m, f)
-    config = mm.gemv_config(m, 2 * f, k) if config == POLICY else config
+    config = mp.gemv_config(m, 2 * f, k) if config == POLICY else config
     gv.gemv(to_device(x), to_device(w), out, config=config, bf16_inputs=bf16_inputs, gated=True)
     check_gated(out, x, w, bf16_inputs)
 
@@ -309,7 +311,7 @@ rope_heads = st.sampled_from(pick([(2, 1, 8), (3, 1, 4), (2, 2, 8)], [(32, 8, 64
 ROPE_CONFIGS = [POLICY, gv.GemvConfig(2, 2, 1, 1), gv.GemvConfig(2, 2, 1, 2), gv.GemvConfig(1, 4, 2, 1),
                  gv.GemvConfig(2, 2, 1, 2, True)]
 if not SIM:
-    ROPE_CONFIGS += [mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_SPLIT_M, gv.GemvConfig(8, 4, 2, 4)]
+    ROPE_CONFIGS += [mp.GEMV_SPLIT, mp.GEMV_SPLIT_SMALL, mp.GEMV_SPLIT_M, gv.GemvConfig(8, 4, 2, 4)]
 
 
 @pytest.mark.parametrize("config", ROPE_CONFIGS)
@@ -323,7 +325,7 @@ def test_gemv_rope(config, seed, m, heads, k, block_size, bf16_inputs, fmt):
     x, w, cos, sin, positions, slots, cache = rope_case(seed, m, heads, k, block_size, fmt)
     q_out = to_device(np.full((m, heads[0], heads[2]), -7777.0, np.float32))
     k_dev, v_dev = to_device(cache), to_device(cache)
-    config = mm.gemv_config(m, w.shape[0], k) if config == POLICY else config
+    config = mp.gemv_config(m, w.shape[0], k) if config == POLICY else config
     gv.gemv_rope(to_device(x), to_device(w), to_device(positions), to_device(cos), to_device(sin), k_dev, v_dev,
                  to_device(slots), q_out, config=config, bf16_inputs=bf16_inputs, k_scale=fmt[1], v_scale=fmt[2])
     check_rope(q_out, k_dev, v_dev, x, w, cos, sin, positions, slots, cache, heads[0], bf16_inputs, fmt)
@@ -451,12 +453,12 @@ def test_gemv_config_checks():
 @settings(max_examples=examples(6, 15))
 @given(seeds, sizes(9, [16, 64, 256, 1024], 1100), weight_shapes(70, 40), x_scales, w_scales, st.booleans())
 def test_gemm(seed, m, nk, x_scale, w_scale, bf16_inputs):
-    """The engine's tile (matmul.GEMM_TILE: 64 x 64 on the GPU, 16 x 16 in the simulator): partial tiles and
+    """The engine's tile (matmul_policy.GEMM_TILE: 64 x 64 on the GPU, 16 x 16 in the simulator): partial tiles and
     K slabs."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    check(run(simt.gemm, x, w, tile=mm.GEMM_TILE, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
+    check(run(simt.gemm, x, w, tile=mp.GEMM_TILE, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
 # Small tiles (64 threads) put many tiles and every kind of edge into shapes the simulator can afford.
@@ -504,24 +506,24 @@ def test_mma_fragment_random_values(seed, x_scale, w_scale):
 # hundred thread-mma per slab, so it runs the cheapest real skinny tiles and small tiles that take the same
 # code paths as the others: several warps along M and N, MI = NJ = 2 mma tiles per warp, 2 and 4 K groups,
 # two k-steps per group, two stages.
-GPU_TC_TILES = [mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, *[t for ts in mm.GEMM_TC_SKINNY_TILES.values() for t in ts],
-                mm.GEMM_TC_SKINNY_DEEP_TILE, mm.GEMM_TC_SMALL_TILE._replace(stages=2),
+GPU_TC_TILES = [mp.GEMM_TC_TILE, mp.GEMM_TC_SMALL_TILE, *[t for ts in mp.GEMM_TC_SKINNY_TILES.values() for t in ts],
+                mp.GEMM_TC_SKINNY_DEEP_TILE, mp.GEMM_TC_SMALL_TILE._replace(stages=2),
                 tc.GemmTcTile(16, 16, 128, 16, 8, 4, 2)]
 SIM_TC_TILES = [tc.SIM_TILE, tc.GemmTcTile(32, 16, 32, 16, 8), tc.GemmTcTile(32, 16, 16, 32, 16),
                 tc.GemmTcTile(32, 16, 64, 32, 16, 4), tc.GemmTcTile(16, 16, 64, 16, 16, 2, 2),
-                mm.GEMM_TC_SKINNY_TILES[16][-1], mm.GEMM_TC_SKINNY_DEEP_TILE]
+                mp.GEMM_TC_SKINNY_TILES[16][-1], mp.GEMM_TC_SKINNY_DEEP_TILE]
 TC_TILES = SIM_TC_TILES if SIM else GPU_TC_TILES
 
 
 @settings(max_examples=examples(6, 20))
 @given(seeds, sizes(20, [16, 64, 256, 1024], 1100), weight_shapes(24, 40), x_scales, w_scales, st.booleans())
 def test_gemm_tc(seed, m, nk, x_scale, w_scale, bf16_inputs):
-    """The policy's tile on the GPU (matmul.gemm_tc_tile), gemm_tc.SIM_TILE in the simulator. K % 4 != 0
+    """The policy's tile on the GPU (matmul_policy.gemm_tc_tile), gemm_tc.SIM_TILE in the simulator. K % 4 != 0
     takes the bf16-at-a-time weight loads; K not a multiple of 16 zero-pads the last slab; partial tiles."""
     n, k = nk
     m = cap_m(m, n, k)
     x, w = make_inputs(seed, m, n, k, x_scale, w_scale)
-    tile = tc.SIM_TILE if SIM else mm.gemm_tc_tile(m, n, k, bf16_inputs)
+    tile = tc.SIM_TILE if SIM else mp.gemm_tc_tile(m, n, k, bf16_inputs)
     check(run(tc.gemm_tc, x, w, tile=tile, bf16_inputs=bf16_inputs), x, w, bf16_inputs)
 
 
@@ -596,7 +598,7 @@ def test_matmul_dispatch(seed, m, nk, bf16_inputs):
 # ---------------------------------------------------------------------------------------------------------
 
 T = tc.GemmTcTile
-SKINNY16, SKINNY32 = mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_TILES[32]
+SKINNY16, SKINNY32 = mp.GEMM_TC_SKINNY_TILES[16], mp.GEMM_TC_SKINNY_TILES[32]
 
 
 @pytest.mark.parametrize("m, n, k, want", [
@@ -605,21 +607,21 @@ SKINNY16, SKINNY32 = mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_TILES[32]
     (9, 128256, 2048, T(16, 64, 128, 16, 16, 4)),   # LM head
     (16, 2048, 2048, T(16, 16, 128, 16, 8, 4)),     # O: 64 blocks at 16 x 32, 128 at 16 x 16
     (16, 2048, 8192, T(16, 16, 128, 16, 8, 4)),     # down: the same
-    (16, 1024, 8192, mm.GEMM_TC_SKINNY_DEEP_TILE),  # 64 blocks even at 16 x 16, long K
+    (16, 1024, 8192, mp.GEMM_TC_SKINNY_DEEP_TILE),  # 64 blocks even at 16 x 16, long K
     (32, 3072, 2048, SKINNY32[1]),                # 32 x 32: 96 blocks
     (64, 3072, 2048, SKINNY32[0]),                 # 32 x 64, measured: 96 blocks, 38 us against 61 (32 x 32)
     (64, 2048, 8192, SKINNY32[1]),                 # 32 x 32, measured: 128 blocks, 132 us against 185 (32 x 64)
     (128, 3072, 2048, SKINNY32[0]),
     (256, 3072, 2048, SKINNY32[0]),                # measured: 83 us against 115 (64 x 64), bf16 inputs
     (256, 2048, 8192, SKINNY32[0]),                # measured: 198 against 470 us, bf16 inputs
-    (512, 3072, 2048, mm.GEMM_TC_SMALL_TILE),       # 96 big blocks; 384 small ones
-    (256, 16384, 2048, mm.GEMM_TC_TILE),            # 256 big blocks
-    (1024, 2048, 8192, mm.GEMM_TC_TILE),            # measured: 705 against 957 us, 128 blocks
+    (512, 3072, 2048, mp.GEMM_TC_SMALL_TILE),       # 96 big blocks; 384 small ones
+    (256, 16384, 2048, mp.GEMM_TC_TILE),            # 256 big blocks
+    (1024, 2048, 8192, mp.GEMM_TC_TILE),            # measured: 705 against 957 us, 128 blocks
 ])
 def test_gemm_tc_tile_policy_examples(m, n, k, want):
-    assert mm.gemm_tc_tile(m, n, k, bf16_inputs=True) == want
+    assert mp.gemm_tc_tile(m, n, k, bf16_inputs=True) == want
     # fp32 mode: the same tile, bounded to two blocks per SM when it has 32 rows
-    assert mm.gemm_tc_tile(m, n, k) == (want._replace(min_blocks=2) if want.bm == 32 else want)
+    assert mp.gemm_tc_tile(m, n, k) == (want._replace(min_blocks=2) if want.bm == 32 else want)
 
 
 def blocks(tile, m, n):
@@ -630,21 +632,21 @@ def blocks(tile, m, n):
 @given(st.integers(1, 5000), st.integers(1, 200_000), st.integers(1, 10_000))
 def test_gemm_tc_tile_policy_rules(m, n, k):
     """The rules of gemm_tc_tile's docstring, for any shape; every pick fits shared memory in both modes."""
-    tile = mm.gemm_tc_tile(m, n, k, bf16_inputs=True)
-    assert mm.gemm_tc_tile(m, n, k)._replace(min_blocks=0) == tile
+    tile = mp.gemm_tc_tile(m, n, k, bf16_inputs=True)
+    assert mp.gemm_tc_tile(m, n, k)._replace(min_blocks=0) == tile
     assert all(tc.gemm_tc_shared_bytes(tile, bf16) <= tc.GEMM_TC_MAX_SHARED for bf16 in (False, True))
-    if m > 64 and blocks(mm.GEMM_TC_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
-        assert tile == mm.GEMM_TC_TILE
+    if m > 64 and blocks(mp.GEMM_TC_TILE, m, n) >= mp.GEMM_TC_BIG_BLOCKS:
+        assert tile == mp.GEMM_TC_TILE
         return
-    if m > mm.GEMM_TC_SMALL_MIN_M and blocks(mm.GEMM_TC_SMALL_TILE, m, n) >= mm.GEMM_TC_BIG_BLOCKS:
-        assert tile == mm.GEMM_TC_SMALL_TILE
+    if m > mp.GEMM_TC_SMALL_MIN_M and blocks(mp.GEMM_TC_SMALL_TILE, m, n) >= mp.GEMM_TC_BIG_BLOCKS:
+        assert tile == mp.GEMM_TC_SMALL_TILE
         return
     skinny = SKINNY16 if m <= 16 else SKINNY32
-    full = [t for t in skinny if blocks(t, m, n) >= mm.GEMM_TC_SKINNY_BLOCKS]
+    full = [t for t in skinny if blocks(t, m, n) >= mp.GEMM_TC_SKINNY_BLOCKS]
     if full:
         assert tile == full[0]          # the widest that covers two thirds of the SMs
-    elif m <= 16 and k >= mm.GEMM_TC_DEEP_K:
-        assert tile == mm.GEMM_TC_SKINNY_DEEP_TILE
+    elif m <= 16 and k >= mp.GEMM_TC_DEEP_K:
+        assert tile == mp.GEMM_TC_SKINNY_DEEP_TILE
     else:
         assert tile == skinny[-1]
 
@@ -654,24 +656,24 @@ def test_gemm_tc_tile_policy_rules(m, n, k):
 # ---------------------------------------------------------------------------------------------------------
 
 def policy_gemv(x, w, out, bf16_inputs=False):
-    gv.gemv(x, w, out, config=mm.gemv_config(x.shape[0], w.shape[0], x.shape[1]), bf16_inputs=bf16_inputs)
+    gv.gemv(x, w, out, config=mp.gemv_config(x.shape[0], w.shape[0], x.shape[1]), bf16_inputs=bf16_inputs)
 
 
 VERSIONS = {
     "naive": simt.matmul_naive,
     "gemv_warp": gv.gemv_warp,
     "gemv": policy_gemv,
-    "gemm": lambda x, w, out: simt.gemm(x, w, out, tile=mm.GEMM_TILE),
+    "gemm": lambda x, w, out: simt.gemm(x, w, out, tile=mp.GEMM_TILE),
     "gemm-small-tile": lambda x, w, out: simt.gemm(x, w, out, tile=SMALL_TILES[0]),
     "gemm_tc": tc.gemm_tc,
-    "gemm_tc-skinny": lambda x, w, out: tc.gemm_tc(x, w, out, tile=mm.GEMM_TC_SKINNY_TILES[16][-1]),
+    "gemm_tc-skinny": lambda x, w, out: tc.gemm_tc(x, w, out, tile=mp.GEMM_TC_SKINNY_TILES[16][-1]),
     "matmul": mm.matmul,
 }
 # bf16_inputs: a NaN x rounds to a NaN bf16, so it must stay as confined as in fp32 mode
 BF16_VERSIONS = {
     "naive-bf16": lambda x, w, out: simt.matmul_naive(x, w, out, bf16_inputs=True),
     "gemv_warp-bf16": lambda x, w, out: gv.gemv_warp(x, w, out, bf16_inputs=True),
-    "gemm-bf16": lambda x, w, out: simt.gemm(x, w, out, tile=mm.GEMM_TILE, bf16_inputs=True),
+    "gemm-bf16": lambda x, w, out: simt.gemm(x, w, out, tile=mp.GEMM_TILE, bf16_inputs=True),
     "gemm_tc-bf16": lambda x, w, out: tc.gemm_tc(x, w, out, bf16_inputs=True),
 }
 
@@ -765,8 +767,8 @@ def test_gemm_tc_rejects_bad_tiles(tile, bf16_inputs, match):
 
 def test_gemm_tc_shared_memory_of_one_plane():
     """bf16_inputs stages one x plane instead of three: a two-stage 128 x 128 tile fits only that way."""
-    big2 = mm.GEMM_TC_TILE._replace(stages=2)
-    assert tc.gemm_tc_shared_bytes(big2, bf16_inputs=True) == 2 * tc.gemm_tc_shared_bytes(mm.GEMM_TC_TILE, True)
+    big2 = mp.GEMM_TC_TILE._replace(stages=2)
+    assert tc.gemm_tc_shared_bytes(big2, bf16_inputs=True) == 2 * tc.gemm_tc_shared_bytes(mp.GEMM_TC_TILE, True)
     assert tc.gemm_tc_shared_bytes(big2, True) <= tc.GEMM_TC_MAX_SHARED < tc.gemm_tc_shared_bytes(big2, False)
 
 
@@ -841,7 +843,7 @@ def test_bf16_planes_match_the_reference_bit_for_bit(seed, m, k, x_scale, bf16_i
 # tiles for the simulator's tests (tiny, every code path: more than one warp along M and N, chunks that do
 # not divide evenly over the threads, two stages) and the GPU's (the candidates the policy picks from)
 PIPELINED_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2)],
-                       [mm.PIPELINED_WIDE_FP32, mm.PIPELINED_WIDE_BF16, mm.PIPELINED_NARROW, mm.PIPELINED_SMALL,
+                       [mp.PIPELINED_WIDE_FP32, mp.PIPELINED_WIDE_BF16, mp.PIPELINED_NARROW, mp.PIPELINED_SMALL,
                         gp.PipelinedTile(),
                         gp.PipelinedTile(128, 128, 32, 64, 32, 3, 2), gp.PipelinedTile(128, 128, 64, 64, 32, 3)])
 
@@ -920,7 +922,7 @@ def split_workspace(tile, m, n, splits, gated=False):
 # split-K: the simulator's tiles over a few slabs (the one-warp 32 x 32 tile adds its partials two splits at a
 # time, so more splits than that take several batches); on the GPU the skinny tiles
 SPLIT_TILES = pick([gp.SIM_TILE, gp.PipelinedTile(32, 16, 16, 16, 16, 2), gp.PipelinedTile(32, 32, 16, 32, 32, 2)],
-                   list(mm.PIPELINED_SKINNY_TILES.values()))
+                   list(mp.PIPELINED_SKINNY_TILES.values()))
 
 
 @pytest.mark.parametrize("tile", SPLIT_TILES, ids=lambda t: "x".join(map(str, t)))
@@ -965,22 +967,22 @@ def test_split_k_plans():
     """skinny_plan: the tile for M, splits that give about a block per SM without an empty or short split,
     none for a grid that already has that many; split_workspace_sizes covers every plan of the given weights."""
     for bf16 in (False, True):
-        sizes_ = mm.split_workspace_sizes(LLAMA_1B_MATMULS, bf16)
-        for m in range(9, mm.PIPELINED_SKINNY_MAX_M + 1):
+        sizes_ = mp.split_workspace_sizes(LLAMA_1B_MATMULS, bf16)
+        for m in range(9, mp.PIPELINED_SKINNY_MAX_M + 1):
             for n, k, gated in LLAMA_1B_MATMULS:
-                tile, splits = mm.skinny_plan(m, n, k, bf16, gated)
+                tile, splits = mp.skinny_plan(m, n, k, bf16, gated)
                 assert tile.bm >= m and (tile.bm == 16 or tile.bm // 2 < m)
                 slabs = -(-k // tile.bk)
-                assert splits in gp.valid_splits(tile, k) and (splits == 1 or slabs // splits >= mm.MIN_SPLIT_SLABS)
+                assert splits in gp.valid_splits(tile, k) and (splits == 1 or slabs // splits >= mp.MIN_SPLIT_SLABS)
                 tiles = gp.split_counters_size(tile, m, n, gated)
-                assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
+                assert splits == 1 or tiles * (splits - 0.5) <= mp.SM_COUNT
                 if splits > 1:
                     assert gp.split_partials_size(tile, m, n, splits, gated) <= sizes_[0]
                     assert tiles <= sizes_[1]
-    assert mm.skinny_plan(16, 3072, 2048, True) == (mm.PIPELINED_SKINNY_TILES[16], 6)  # 24 tiles -> 144 blocks
-    assert mm.skinny_plan(64, 2048, 8192, True) == (mm.PIPELINED_SKINNY_TILES[64], 8)  # down: 16 tiles -> 128
-    assert mm.skinny_plan(16, 16384, 2048, True, gated=True)[1] == 1                  # gate/up: 128 tiles
-    assert mm.skinny_plan(64, 128256, 2048, True)[1] == 1                             # 1002 tiles: no split
+    assert mp.skinny_plan(16, 3072, 2048, True) == (mp.PIPELINED_SKINNY_TILES[16], 6)  # 24 tiles -> 144 blocks
+    assert mp.skinny_plan(64, 2048, 8192, True) == (mp.PIPELINED_SKINNY_TILES[64], 8)  # down: 16 tiles -> 128
+    assert mp.skinny_plan(16, 16384, 2048, True, gated=True)[1] == 1                  # gate/up: 128 tiles
+    assert mp.skinny_plan(64, 128256, 2048, True)[1] == 1                             # 1002 tiles: no split
 
 
 def test_split_k_rejects_bad_plans():
@@ -1073,25 +1075,25 @@ def test_pipelined_tile_policy(bf16_inputs, m, n, k):
     """The policy's tile is a timed candidate that fits the H200's 227 KB of shared memory, never takes 128
     rows where 64 would pad M less, and has the wide tile's grid of at least PIPELINED_MIN_BLOCKS blocks when
     it is the wide tile."""
-    tile = mm.pipelined_tile(m, n, k, bf16_inputs)
-    assert tile in mm.PIPELINED_CANDIDATES
+    tile = mp.pipelined_tile(m, n, k, bf16_inputs)
+    assert tile in mp.PIPELINED_CANDIDATES
     assert gp.shared_bytes(tile, bf16_inputs) <= 227 * 1024
     if tile.bm == 128:
         assert -(-m // 128) * 128 <= -(-m // 64) * 64
-        assert -(-m // 128) * -(-n // tile.bn) >= mm.PIPELINED_MIN_BLOCKS
+        assert -(-m // 128) * -(-n // tile.bn) >= mp.PIPELINED_MIN_BLOCKS
 
 
 @pytest.mark.parametrize("bf16_inputs", [False, True])
 def test_pipelined_tile_policy_picks_the_measured_tiles(bf16_inputs):
-    """The choices matmul.pipelined_tile's note measured: gate/up and QKV of the 1B model at M = 256,
+    """The choices matmul_policy.pipelined_tile's note measured: gate/up and QKV of the 1B model at M = 256,
     the LM head at M = 64, and at M = 1024 QKV, O and down."""
-    wide, narrow = mm.PIPELINED_WIDE_BF16 if bf16_inputs else mm.PIPELINED_WIDE_FP32, mm.PIPELINED_NARROW
-    assert mm.pipelined_tile(256, 16384, 2048, bf16_inputs) == wide
-    assert mm.pipelined_tile(256, 3072, 2048, bf16_inputs) == (mm.PIPELINED_SMALL if bf16_inputs else narrow)
-    assert mm.pipelined_tile(64, 128256, 2048, bf16_inputs) == narrow
-    assert mm.pipelined_tile(1024, 3072, 2048, bf16_inputs) == (mm.PIPELINED_WIDE_BF16 if bf16_inputs else narrow)
+    wide, narrow = mp.PIPELINED_WIDE_BF16 if bf16_inputs else mp.PIPELINED_WIDE_FP32, mp.PIPELINED_NARROW
+    assert mp.pipelined_tile(256, 16384, 2048, bf16_inputs) == wide
+    assert mp.pipelined_tile(256, 3072, 2048, bf16_inputs) == (mp.PIPELINED_SMALL if bf16_inputs else narrow)
+    assert mp.pipelined_tile(64, 128256, 2048, bf16_inputs) == narrow
+    assert mp.pipelined_tile(1024, 3072, 2048, bf16_inputs) == (mp.PIPELINED_WIDE_BF16 if bf16_inputs else narrow)
     for n, k in ((2048, 2048), (2048, 8192)):   # O, down
-        assert mm.pipelined_tile(1024, n, k, bf16_inputs) == (mm.PIPELINED_WIDE_BF16_DEEP if bf16_inputs else narrow)
+        assert mp.pipelined_tile(1024, n, k, bf16_inputs) == (mp.PIPELINED_WIDE_BF16_DEEP if bf16_inputs else narrow)
 
 
 def test_gemm_pipelined_shared_memory():

@@ -19,6 +19,7 @@ from tests_support import LLAMA_1B_MATMULS
 from cuda_kernels import gemm_pipelined as gp
 from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import matmul as mm
+from cuda_kernels import matmul_policy as mp
 from cuda_kernels import wgmma
 from reference.bf16 import bf16_to_f32, f32_to_bf16
 from reference.matmul import bf16_planes as reference_bf16_planes
@@ -146,7 +147,7 @@ def wgmma_split_workspace(tile, m, n, splits):
 
 # split K: the simulator's tiles over a few slabs; on the GPU the split plans' tiles
 WGMMA_SPLIT_TILES = pick([gw.SIM_TILE, gw.WgmmaTile(64, 16, 3, 0, True)],
-                         list(dict.fromkeys(mm.WGMMA_SPLIT_TILES.values())) + [mm.WGMMA_TWO_BLOCK_TILE])
+                         list(dict.fromkeys(mp.WGMMA_SPLIT_TILES.values())) + [mp.WGMMA_TWO_BLOCK_TILE])
 
 
 @pytest.mark.parametrize("tile", WGMMA_SPLIT_TILES, **tile_ids)
@@ -210,18 +211,18 @@ def test_wgmma_tile_policy():
     """Above 128 rows the 256-row tile where its grid has about a wave of blocks; else two blocks per SM where
     the grid has more than a wave of 128 x 128 blocks; else the four-stage tile; and never in the simulator or
     below WGMMA_MIN_M rows."""
-    assert mm.wgmma_tile(1024, 16384) == mm.wgmma_tile(129, 16384) == mm.WGMMA_TALL_TILE   # 4 x 128, 1 x 128 blocks
-    assert mm.wgmma_tile(1536, 3072) == mm.WGMMA_TALL_TILE                                 # 6 x 24 blocks
-    assert mm.wgmma_tile(1024, 3072) == mm.WGMMA_TWO_BLOCK_TILE   # 4 x 24 tall blocks, 8 x 24 of 128 rows
-    assert mm.wgmma_tile(128, 16384) == mm.WGMMA_TILE              # 128 rows: 1 x 128 blocks of 128 rows
-    assert mm.wgmma_tile(1024, 2048) == mm.wgmma_tile(300, 3072) == mm.WGMMA_TILE
-    assert mm.wgmma_tile(1056, 2048) == mm.WGMMA_TWO_BLOCK_TILE   # 9 x 16 blocks
+    assert mp.wgmma_tile(1024, 16384) == mp.wgmma_tile(129, 16384) == mp.WGMMA_TALL_TILE   # 4 x 128, 1 x 128 blocks
+    assert mp.wgmma_tile(1536, 3072) == mp.WGMMA_TALL_TILE                                 # 6 x 24 blocks
+    assert mp.wgmma_tile(1024, 3072) == mp.WGMMA_TWO_BLOCK_TILE   # 4 x 24 tall blocks, 8 x 24 of 128 rows
+    assert mp.wgmma_tile(128, 16384) == mp.WGMMA_TILE              # 128 rows: 1 x 128 blocks of 128 rows
+    assert mp.wgmma_tile(1024, 2048) == mp.wgmma_tile(300, 3072) == mp.WGMMA_TILE
+    assert mp.wgmma_tile(1056, 2048) == mp.WGMMA_TWO_BLOCK_TILE   # 9 x 16 blocks
     if SIM:
-        assert not mm.wgmma_plan(1024, 2048, 2048, True)
-    if mm.WGMMA_IN_ENGINE and wgmma.device_has_wgmma():
-        assert mm.wgmma_plan(1024, 2048, 2048, True) == (mm.WGMMA_TILE, 1)
-    assert not mm.wgmma_plan(mm.WGMMA_MIN_M - 1, 2048, 2048, True)   # no split workspace
-    assert not mm.wgmma_plan(1024, 2048, 2048, False)
+        assert not mp.wgmma_plan(1024, 2048, 2048, True)
+    if mp.WGMMA_IN_ENGINE and wgmma.device_has_wgmma():
+        assert mp.wgmma_plan(1024, 2048, 2048, True) == (mp.WGMMA_TILE, 1)
+    assert not mp.wgmma_plan(mp.WGMMA_MIN_M - 1, 2048, 2048, True)   # no split workspace
+    assert not mp.wgmma_plan(1024, 2048, 2048, False)
 
 
 def test_wgmma_split_plans():
@@ -229,26 +230,26 @@ def test_wgmma_split_plans():
     short split (none where the tiles fill the SMs); split_workspace_sizes covers every plan of the engine's
     weights; the first split rows are one past class boundaries of the warm-up (every class one kernel); wide
     weights (gate/up, down, the LM head) from fewer rows than the rest."""
-    partials, counters = mm.split_workspace_sizes(LLAMA_1B_MATMULS, True)
+    partials, counters = mp.split_workspace_sizes(LLAMA_1B_MATMULS, True)
     for n, k, _ in LLAMA_1B_MATMULS:
-        for m in range(mm.wgmma_split_min_m(n, k), mm.WGMMA_MIN_M):
-            tile, splits = mm.wgmma_split_plan(m, n, k)
-            rows = min(r for r in mm.WGMMA_SPLIT_TILES if r >= m)
-            wanted = mm.WGMMA_SPLIT_TILES[rows]
-            assert tile == wanted or (splits == 1 and tile == mm.wgmma_tile(m, n))
+        for m in range(mp.wgmma_split_min_m(n, k), mp.WGMMA_MIN_M):
+            tile, splits = mp.wgmma_split_plan(m, n, k)
+            rows = min(r for r in mp.WGMMA_SPLIT_TILES if r >= m)
+            wanted = mp.WGMMA_SPLIT_TILES[rows]
+            assert tile == wanted or (splits == 1 and tile == mp.wgmma_tile(m, n))
             slabs, tiles = -(-k // 64), gw.tiles(tile, m, n)
-            assert splits in gw.valid_splits(k) and (splits == 1 or slabs // splits >= mm.WGMMA_MIN_SPLIT_SLABS)
-            assert splits == 1 or tiles * (splits - 0.5) <= mm.SM_COUNT
+            assert splits in gw.valid_splits(k) and (splits == 1 or slabs // splits >= mp.WGMMA_MIN_SPLIT_SLABS)
+            assert splits == 1 or tiles * (splits - 0.5) <= mp.SM_COUNT
             assert splits == 1 or (gw.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
-    for m in (mm.WGMMA_SPLIT_MIN_M - 1, mm.WGMMA_WIDE_SPLIT_MIN_M - 1):
+    for m in (mp.WGMMA_SPLIT_MIN_M - 1, mp.WGMMA_WIDE_SPLIT_MIN_M - 1):
         assert m in (8, 16, 32, 64, 128) or m % 64 == 0
-    assert [mm.wgmma_split_min_m(n, k) for n, k, _ in LLAMA_1B_MATMULS] == [65, 65, 33, 33, 33]
-    assert mm.wgmma_split_plan(128, 2048, 2048) == (mm.WGMMA_TILE, 4)   # O: 16 tiles, 32 slabs in splits of 8
-    assert mm.wgmma_split_plan(64, 16384, 2048) == (mm.WGMMA_TILE, 1)   # gate/up: 128 tiles, no split
-    assert mm.wgmma_split_plan(64, 128256, 2048) == (mm.WGMMA_SPLIT_TILES[64], 1)   # LM head: 1,002 tiles
-    assert mm.wgmma_split_plan(64, 2048, 8192) == (mm.WGMMA_SPLIT_TILES[64], 8)   # down: 16 tiles x 8 splits
-    assert mm.wgmma_split_plan(256, 2048, 8192) == (mm.WGMMA_TILE, 4)   # down: 32 tiles x 4 splits
-    assert mm.wgmma_split_plan(256, 16384, 2048) == (mm.WGMMA_TALL_TILE, 1)   # gate/up: 128 tall tiles
+    assert [mp.wgmma_split_min_m(n, k) for n, k, _ in LLAMA_1B_MATMULS] == [65, 65, 33, 33, 33]
+    assert mp.wgmma_split_plan(128, 2048, 2048) == (mp.WGMMA_TILE, 4)   # O: 16 tiles, 32 slabs in splits of 8
+    assert mp.wgmma_split_plan(64, 16384, 2048) == (mp.WGMMA_TILE, 1)   # gate/up: 128 tiles, no split
+    assert mp.wgmma_split_plan(64, 128256, 2048) == (mp.WGMMA_SPLIT_TILES[64], 1)   # LM head: 1,002 tiles
+    assert mp.wgmma_split_plan(64, 2048, 8192) == (mp.WGMMA_SPLIT_TILES[64], 8)   # down: 16 tiles x 8 splits
+    assert mp.wgmma_split_plan(256, 2048, 8192) == (mp.WGMMA_TILE, 4)   # down: 32 tiles x 4 splits
+    assert mp.wgmma_split_plan(256, 16384, 2048) == (mp.WGMMA_TALL_TILE, 1)   # gate/up: 128 tall tiles
 
 
 def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
@@ -257,16 +258,16 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
     within the same bounds, the counters zero afterwards."""
     calls = []
     kernel = gw.gemm_wgmma
-    monkeypatch.setattr(mm, "WGMMA_IN_ENGINE", True)
-    monkeypatch.setattr(mm, "WGMMA_SPLIT_IN_ENGINE", True)
+    monkeypatch.setattr(mp, "WGMMA_IN_ENGINE", True)
+    monkeypatch.setattr(mp, "WGMMA_SPLIT_IN_ENGINE", True)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     if SIM:   # one block tile of rows (a simulated block costs seconds)
-        monkeypatch.setattr(mm, "WGMMA_SPLIT_TILES", {mm.WGMMA_MIN_M - 1: gw.SIM_TILE})
-        monkeypatch.setattr(mm, "WGMMA_SPLIT_MIN_M", 9)
+        monkeypatch.setattr(mp, "WGMMA_SPLIT_TILES", {mp.WGMMA_MIN_M - 1: gw.SIM_TILE})
+        monkeypatch.setattr(mp, "WGMMA_SPLIT_MIN_M", 9)
     monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
     m, n, f, k, split_ws = check_split_entry_points(monkeypatch, with_mlp=True)
-    plans = [mm.wgmma_split_plan(m, n, k)[1], mm.wgmma_split_plan(m, 2 * f, k)[1]]
-    assert calls == plans + [plans[1], mm.wgmma_split_plan(m, k, f)[1]] and min(plans) > 1
+    plans = [mp.wgmma_split_plan(m, n, k)[1], mp.wgmma_split_plan(m, 2 * f, k)[1]]
+    assert calls == plans + [plans[1], mp.wgmma_split_plan(m, k, f)[1]] and min(plans) > 1
     assert (split_ws[1].copy_to_host() == 0).all()
 
 
@@ -275,11 +276,11 @@ def check_split_entry_points(monkeypatch, with_mlp: bool):
     split_workspace_sizes, K = 8 slabs split in two (WGMMA_MIN_SPLIT_SLABS set to 4: the engine's 8-slab minimum
     would need K = 1,024, twice the simulated work): each result within the summation bounds. Returns
     (m, n, f, k, split workspace)."""
-    monkeypatch.setattr(mm, "WGMMA_MIN_SPLIT_SLABS", 4)
-    m, n, f, k = mm.WGMMA_SPLIT_MIN_M, 16, 8, 512
+    monkeypatch.setattr(mp, "WGMMA_MIN_SPLIT_SLABS", 4)
+    m, n, f, k = mp.WGMMA_SPLIT_MIN_M, 16, 8, 512
     x, w = make_inputs(1, m, n, k)
     ws = device_empty(m * max(k, f), np.uint16)
-    sizes_ = mm.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
+    sizes_ = mp.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
     split_ws = (device_empty(sizes_[0], np.float32), to_device(np.zeros(sizes_[1], np.int32)))
     out = stale_out(m, n)
     mm.matmul(to_device(x), to_device(w), out, bf16_inputs=True, workspace=ws, split_workspace=split_ws)
@@ -305,11 +306,11 @@ def test_entry_points_take_gemm_wgmma(monkeypatch):
     projection's plane: each result within the same bounds as the other kernels'."""
     calls = []
     kernel = gw.gemm_wgmma
-    monkeypatch.setattr(mm, "WGMMA_IN_ENGINE", True)
+    monkeypatch.setattr(mp, "WGMMA_IN_ENGINE", True)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
-    monkeypatch.setattr(mm, "wgmma_tile", lambda m, n: gw.SIM_TILE if SIM else mm.WGMMA_TILE)
+    monkeypatch.setattr(mp, "wgmma_tile", lambda m, n: gw.SIM_TILE if SIM else mp.WGMMA_TILE)
     monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(a[1]) or kernel(*a, **k))
-    m, n, f, k = mm.WGMMA_MIN_M, 24, 16, 64
+    m, n, f, k = mp.WGMMA_MIN_M, 24, 16, 64
     x, w = make_inputs(1, m, n, k)
     ws = device_empty(m * max(k, f), np.uint16)
     out = stale_out(m, n)

@@ -35,7 +35,7 @@ import os
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import embedding, gemv, launch, matmul, rmsnorm
+from cuda_kernels import embedding, gemv, launch, matmul_policy, rmsnorm
 from cuda_kernels.compat import SIMULATOR
 from reference import embedding as ref_embedding
 from reference import matmul as ref_matmul
@@ -63,9 +63,9 @@ SIM_GEMV = gemv.GemvConfig(1, 4, 1, 1)
 
 
 def _gemv(x, weight, out, stream, gated=False):
-    """The engine's batch-1 matmul: gemv with matmul.gemv_config's pick on a GPU (called directly: in the
+    """The engine's batch-1 matmul: gemv with matmul_policy.gemv_config's pick on a GPU (called directly: in the
     simulator the engine's matmul takes the tiled GEMM instead)."""
-    config = SIM_GEMV if SIMULATOR else matmul.gemv_config(1, weight.shape[0], x.shape[1])
+    config = SIM_GEMV if SIMULATOR else matmul_policy.gemv_config(1, weight.shape[0], x.shape[1])
     gemv.gemv(x, weight, out, stream, config=config, bf16_inputs=BF16_INPUTS, gated=gated)
 
 

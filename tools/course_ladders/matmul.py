@@ -16,7 +16,7 @@ from cuda_kernels import gemm_tc as tc
 from cuda_kernels import gemm_tma as gtma
 from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemv as gv
-from cuda_kernels import matmul as mm
+from cuda_kernels import matmul_policy as mp
 from cuda_kernels import wgmma
 from reference.bf16 import f32_to_bf16
 from cuda_kernels.compat import SIMULATOR
@@ -60,8 +60,8 @@ def gemv_steps(real: bool) -> list[Step]:
          {"config": gv.GemvConfig()}),
         ("2c gemv (4, 2, 4, 2)", "4 loads per row in flight, K split over 2 warps", gv.gemv,
          {"config": gv.GemvConfig(4, 2, 4, 2)}),
-        (f"2d gemv {tuple(mm.gemv_config(m, n, k))}", "the engine's pick: the next pass's loads issued early",
-         gv.gemv, {"config": mm.gemv_config(m, n, k)}),
+        (f"2d gemv {tuple(mp.gemv_config(m, n, k))}", "the engine's pick: the next pass's loads issued early",
+         gv.gemv, {"config": mp.gemv_config(m, n, k)}),
         (f"2e gemv staged {tuple(staged)}", "weights in flight in shared memory, not registers", gv.gemv,
          {"config": staged}),
     ]
@@ -74,7 +74,7 @@ def gemm_steps(real: bool) -> list[Step]:
     ops = _operands(shape, real, seed=6)
     tc_tile = tc.GemmTcTile() if real else tc.SIM_TILE
     steps = [Step("3 gemm (SIMT)", "shared-memory tiles, a 4 x 4 register tile per thread: fp32 FMAs",
-                  _case("gemm", simt.gemm, ops, tile=simt.GemmTile() if real else mm.GEMM_TILE), FMA_PEAK_TFLOPS)]
+                  _case("gemm", simt.gemm, ops, tile=simt.GemmTile() if real else mp.GEMM_TILE), FMA_PEAK_TFLOPS)]
     for bf16 in (False, True):
         mode, peak = ("bf16 inputs", MMA_PEAK_TFLOPS) if bf16 else ("fp32 (bf16x3)", MMA_PEAK_TFLOPS / 3)
         steps.append(Step(f"4 gemm_tc {mode}", "mma.sync tiles; slabs through registers, one in flight",
@@ -82,7 +82,7 @@ def gemm_steps(real: bool) -> list[Step]:
     for bf16 in (False, True):
         mode, peak = ("bf16 inputs", MMA_PEAK_TFLOPS) if bf16 else ("fp32 (bf16x3)", MMA_PEAK_TFLOPS / 3)
         workspace = cuda.device_array(gp.workspace_size(m, k, bf16), np.uint16)
-        tile = mm.pipelined_tile(m, n, k, bf16) if real else gp.SIM_TILE
+        tile = mp.pipelined_tile(m, n, k, bf16) if real else gp.SIM_TILE
 
         def pipelined(x, w, out, stream, workspace=workspace, **kwargs):
             gp.gemm_pipelined(x, w, out, workspace, stream, **kwargs)
@@ -95,14 +95,14 @@ def gemm_steps(real: bool) -> list[Step]:
                 ("9 gemm_wgmma bf16 inputs", "wgmma: 64 x 128 x 16 per instruction from swizzled shared memory",
                  gw.WgmmaTile(128, 128, 4) if real else gw.SIM_TILE),
                 ("10 gemm_wgmma overlap", "a slab's wgmma run on through the next barrier",
-                 mm.wgmma_tile(m, n) if real else gw.SIM_TILE._replace(overlap=True))):
+                 mp.wgmma_tile(m, n) if real else gw.SIM_TILE._replace(overlap=True))):
             def run_wgmma(x, w, out, stream, tile=tile, plane=plane, bf16_inputs=True):
                 gp.bf16_planes(x, plane, stream, bf16_inputs=True)
                 gw.gemm_wgmma(plane, x.shape[0], w, out, stream, tile=tile)
 
             steps.append(Step(version, idea, _case("gemm_wgmma", run_wgmma, ops, bf16_inputs=True),
                               WGMMA_PEAK_TFLOPS))
-        tma_tile = mm.tma_tile(m, n) if real else gtma.SIM_TILE
+        tma_tile = mp.tma_tile(m, n) if real else gtma.SIM_TILE
 
         def run_tma(x, w, out, stream, tile=tma_tile, plane=plane, bf16_inputs=True):
             gp.bf16_planes(x, plane, stream, bf16_inputs=True)
@@ -120,13 +120,13 @@ def split_steps(real: bool) -> list[Step]:
     m, n, k = shape
     ops = _operands(shape, real, seed=7)
     workspace = cuda.device_array(gp.workspace_size(m, k, True), np.uint16)
-    unsplit = mm.pipelined_tile(m, n, k, True) if real else gp.SIM_TILE
-    tile, splits = mm.skinny_plan(m, n, k, True) if real else (gp.SIM_TILE, 2)
+    unsplit = mp.pipelined_tile(m, n, k, True) if real else gp.SIM_TILE
+    tile, splits = mp.skinny_plan(m, n, k, True) if real else (gp.SIM_TILE, 2)
     plans = [("6 gemm_pipelined, M = 64", "the prefill kernel on a decode batch: 48 blocks stream W", gp, unsplit, 1),
              (f"7 gemm_pipelined split K x {splits}", "K split over blocks: the weight streams from every SM",
               gp, tile, splits)]
     if SIMULATOR or wgmma.device_has_wgmma():
-        wg_tile, wg_splits = mm.wgmma_split_plan(m, n, k) if real else (gw.SIM_TILE, 2)
+        wg_tile, wg_splits = mp.wgmma_split_plan(m, n, k) if real else (gw.SIM_TILE, 2)
         plans.append((f"11 gemm_wgmma split K x {wg_splits}", "the same split with wgmma's products", gw, wg_tile,
                       wg_splits))
     partials = max(module.split_partials_size(t, m, n, s) for _, _, module, t, s in plans)

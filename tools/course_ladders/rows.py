@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import activation, embedding, gemv, matmul, rmsnorm, rope
+from cuda_kernels import activation, embedding, gemv, matmul_policy, rmsnorm, rope
 from reference import activation as ref_activation
 from reference import embedding as ref_embedding
 from reference import rmsnorm as ref_rmsnorm
@@ -113,7 +113,7 @@ def rope_steps(real: bool) -> list[Step]:
     dx, dw, dpos, dcos, dsin, dslots = (cuda.to_device(a) for a in (x, w, positions, cos, sin, slots))
     dk, dv = cuda.to_device(cache), cuda.to_device(cache)
     q_out, qkv = cuda.device_array((1, hq, d), np.float32), cuda.device_array((1, n), np.float32)
-    config = matmul.gemv_config(1, n, k)
+    config = matmul_policy.gemv_config(1, n, k)
 
     def run_two(stream):
         gemv.gemv(dx, dw, qkv, stream, config=config)

@@ -6,7 +6,7 @@
 - gemm at M = 1024 (a 1024-token prefill chunk) for QKV, gate/up and down: flops = 2 M N K;
 - gemm_tc (tensor cores) at M = 16, 32, 64, 128, 256 and 1024 for QKV, O, gate/up, down and the LM head, in
   fp32 mode (bf16x3: 3 mma per product) and with bf16_inputs (1 mma), with the policy's tile
-  (mm.gemm_tc_tile); flops = 2 M N K (the useful, or effective, flops), bytes_moved = W + x + out (what
+  (mp.gemm_tc_tile); flops = 2 M N K (the useful, or effective, flops), bytes_moved = W + x + out (what
   bounds the skinny M). With ``--sweep`` every candidate tile of TC_CANDIDATES[M] is timed too, as a
   labelled variant, so one GPU run compares the policy's choice with its alternatives;
 - matmul_naive at M = 1 on the O projection, the teaching baseline, for comparison;
@@ -42,6 +42,7 @@ from cuda_kernels import gemm_tma as gtma
 from cuda_kernels import gemm_wgmma as gw
 from cuda_kernels import gemv_tc as gt
 from cuda_kernels import matmul as mm
+from cuda_kernels import matmul_policy as mp
 from cuda_kernels.launch import OPT_IN_SHARED_LIMIT
 from numba import cuda
 from reference.bf16 import bf16_to_f32, f32_to_bf16, round_to_bf16
@@ -59,21 +60,21 @@ EPS = float(np.finfo(np.float32).eps)
 MMA_PEAK_TFLOPS = 359.0   # mma.sync m16n8k16 bf16 in a register-only loop (docs/performance.md)
 TC_WEIGHTS = ("qkv", "o", "gate_up", "down", "lm_head")
 TC_MS = (16, 32, 64, 128, 256, 1024)
-_SKINNY = (*mm.GEMM_TC_SKINNY_TILES[16], mm.GEMM_TC_SKINNY_DEEP_TILE, *mm.GEMM_TC_SKINNY_TILES[32])
-_PREFILL = (mm.GEMM_TC_TILE, mm.GEMM_TC_SMALL_TILE, mm.GEMM_TC_TILE._replace(stages=2),
-            mm.GEMM_TC_SMALL_TILE._replace(stages=2))
+_SKINNY = (*mp.GEMM_TC_SKINNY_TILES[16], mp.GEMM_TC_SKINNY_DEEP_TILE, *mp.GEMM_TC_SKINNY_TILES[32])
+_PREFILL = (mp.GEMM_TC_TILE, mp.GEMM_TC_SMALL_TILE, mp.GEMM_TC_TILE._replace(stages=2),
+            mp.GEMM_TC_SMALL_TILE._replace(stages=2))
 # Tiles worth timing at each M (--sweep): the 16-row tiles only where M <= 16 (more rows would be re-read
 # per 16), the 32-row ones up to 128, the prefill tiles from 64; two-stage variants of the 16 x 16 and the
 # prefill tiles. A tile that does not fit in shared memory in a mode (the two-stage 128 x 128 in fp32) is
 # skipped there.
 # The 32-row tiles with fp32 mode's occupancy bound too (in both modes), to measure what it buys.
-_BOUND32 = tuple(t._replace(min_blocks=mm.SKINNY32_FP32_MIN_BLOCKS) for t in mm.GEMM_TC_SKINNY_TILES[32])
+_BOUND32 = tuple(t._replace(min_blocks=mp.SKINNY32_FP32_MIN_BLOCKS) for t in mp.GEMM_TC_SKINNY_TILES[32])
 TC_CANDIDATES = {
-    16: (*_SKINNY[:4], tc.GemmTcTile(16, 16, 128, 16, 8, 4, 2), mm.GEMM_TC_SMALL_TILE),
-    32: (*_SKINNY[4:], mm.GEMM_TC_SKINNY_TILES[16][-1], *_BOUND32),
+    16: (*_SKINNY[:4], tc.GemmTcTile(16, 16, 128, 16, 8, 4, 2), mp.GEMM_TC_SMALL_TILE),
+    32: (*_SKINNY[4:], mp.GEMM_TC_SKINNY_TILES[16][-1], *_BOUND32),
     64: (*_SKINNY[4:], *_BOUND32, _PREFILL[1]),
     128: (*_SKINNY[4:], *_BOUND32, *_PREFILL[:2]),
-    256: (mm.GEMM_TC_SKINNY_TILES[32][0], _BOUND32[0], *_PREFILL),
+    256: (mp.GEMM_TC_SKINNY_TILES[32][0], _BOUND32[0], *_PREFILL),
     1024: _PREFILL,
 }
 
@@ -155,7 +156,7 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
             for m in ms:
                 x, dx = activations(m, k)
                 for bf16 in (False, True):
-                    chosen = mm.gemm_tc_tile(m, n, k, bf16)
+                    chosen = mp.gemm_tc_tile(m, n, k, bf16)
                     mode = "bf16" if bf16 else "fp32"
                     out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", tc.gemm_tc, x, w, dx, dw,
                                      None, tile=chosen, bf16_inputs=bf16))
@@ -168,7 +169,7 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
             continue
         for m in (1, 8):
             x, dx = activations(m, k)
-            out.append(_case(wname, gv.gemv, x, w, dx, dw, False, config=mm.gemv_config(m, n, k)))
+            out.append(_case(wname, gv.gemv, x, w, dx, dw, False, config=mp.gemv_config(m, n, k)))
         if wname in ("qkv", "gate_up", "down"):
             x, dx = activations(1024, k)
             out.append(_case(wname, simt.gemm, x, w, dx, dw, True))
@@ -187,7 +188,7 @@ def cases(tensor_core_only: bool = False, sweep: bool = False, ms=TC_MS, weights
     return out
 
 
-def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=mm.PIPELINED_CANDIDATES) -> list[Case]:
+def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=mp.PIPELINED_CANDIDATES) -> list[Case]:
     """gemm_pipelined (the planes kernel included, as the engine runs it) in every tile of `tiles` that fits,
     next to gemm_tc's policy tile, both modes, at each M; the LM head only up to M = 256 (the engine computes
     logits for sampled rows only)."""
@@ -207,10 +208,10 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=mm.PIPELIN
             x, dx, workspace = xs[m, k]
             for bf16 in (False, True):
                 mode = "bf16" if bf16 else "fp32"
-                chosen = mm.gemm_tc_tile(m, n, k, bf16)
+                chosen = mp.gemm_tc_tile(m, n, k, bf16)
                 out.append(_case(f"{wname} {mode} (tile {_tile_label(chosen)})", tc.gemm_tc, x, w, dx, dw, None,
                                  tile=chosen, bf16_inputs=bf16))
-                policy = mm.pipelined_tile(m, n, k, bf16)
+                policy = mp.pipelined_tile(m, n, k, bf16)
                 for tile in (policy, *(t for t in tiles if t != policy)):
                     if gp.shared_bytes(tile, bf16) > OPT_IN_SHARED_LIMIT:
                         continue
@@ -228,7 +229,7 @@ def pipelined_cases(ms=(64, 128, 256, 512, 1024), weights=None, tiles=mm.PIPELIN
 # gemv configurations worth timing (--gemv): (warps, rows per warp, unroll, k_split[, pipelined]); the first
 # version's (4, 2, 1, 1), the policy's four at M = 1, the earlier policies' (8, 2, 4, 4), (8, 4, 2, 4) and
 # (4, 4, 2, 2), and neighbours
-GEMV_CANDIDATES = [gv.GemvConfig(), mm.GEMV_WIDE, mm.GEMV_SPLIT, mm.GEMV_SPLIT_SMALL, mm.GEMV_LONG_K] + [
+GEMV_CANDIDATES = [gv.GemvConfig(), mp.GEMV_WIDE, mp.GEMV_SPLIT, mp.GEMV_SPLIT_SMALL, mp.GEMV_LONG_K] + [
     gv.GemvConfig(*c) for c in ((8, 2, 4, 4), (8, 4, 2, 4), (4, 4, 2, 2), (8, 2, 4, 2), (16, 2, 2, 8), (4, 2, 2, 2),
                                 (16, 2, 2, 4), (8, 2, 1, 4), (4, 2, 8, 1), (8, 2, 4, 1), (4, 4, 4, 4), (8, 2, 8, 4),
                                 (8, 4, 4, 4), (8, 2, 4, 4, True), (4, 2, 4, 2, True))]
@@ -254,7 +255,7 @@ def cold_cases(ms=(1, 2, 4, 8), weights=None, configs=GEMV_CANDIDATES, configs_m
         for m in sorted(set(ms) | {16}):
             x = rng.standard_normal((m, k), dtype=np.float32)
             dx, dout = cuda.to_device(x), cuda.device_array((m, n), np.float32)
-            runs = [("gemm_tc", tc.gemm_tc, {"tile": mm.gemm_tc_tile(m, n, k)})] if m > 1 else []
+            runs = [("gemm_tc", tc.gemm_tc, {"tile": mp.gemm_tc_tile(m, n, k)})] if m > 1 else []
             runs += [(f"gemv {tuple(c)}", gv.gemv, {"config": c})
                      for c in (configs if m == 1 else configs_m if m <= 8 else ())]
             runs += [(f"gemv staged {tuple(c)}", gv.gemv, {"config": c}) for c in (staged if m <= 2 else ())
@@ -297,10 +298,10 @@ SKINNY_MS = (16, 32, 64, 128)
 def skinny_variants(m: int, n: int, k: int, bf16_inputs: bool) -> list[tuple[gp.PipelinedTile, int]]:
     """(tile, splits) worth timing against the skinny plan at (m, n, k): the plan, half and twice its splits,
     and its tile with 64 weight rows a block, and with 3 and 6 stages (each with its own plan's splits)."""
-    tile, splits = mm.skinny_plan(m, n, k, bf16_inputs)
+    tile, splits = mp.skinny_plan(m, n, k, bf16_inputs)
     tiles = [tile, tile._replace(bn=64), tile._replace(stages=3), tile._replace(stages=6)]
     out = [(tile, splits), (tile, max(1, splits // 2)), (tile, splits * 2)]
-    out += [mm.skinny_plan(m, n, k, bf16_inputs, tile=t) for t in tiles[1:]]
+    out += [mp.skinny_plan(m, n, k, bf16_inputs, tile=t) for t in tiles[1:]]
     valid = []
     for t, s in out:
         if (t, s) not in valid and s in gp.valid_splits(t, k) and gp.shared_bytes(t, bf16_inputs) <= OPT_IN_SHARED_LIMIT:
@@ -386,7 +387,7 @@ def gemv_tc_cases(ms=(16, 32, 64), weights=None, configs=None, cold_bytes: int =
             x = rng.standard_normal((m, k), dtype=np.float32)
             planes = cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, cols), np.float32)
-            tile, splits = mm.skinny_plan(m, n, k, True, gated)
+            tile, splits = mp.skinny_plan(m, n, k, True, gated)
             split_ws = (cuda.device_array(max(1, gp.split_partials_size(tile, m, n, splits, gated)), np.float32),
                         cuda.to_device(np.zeros(gp.split_counters_size(tile, m, n, gated), np.int32)))
 
@@ -434,10 +435,10 @@ def _planes_case(wname, label, launcher, x, w, planes, copies, dout, gated) -> C
 # gemm_wgmma tiles worth timing (--wgmma): the policy's two, the synchronous rung, more stages, 64 rows a block,
 # and larger blocks, which load fewer operand bytes from L2 per product (three or four warpgroups sharing each W
 # slab, or 192 columns a warpgroup: 111-164 registers, no spills, ptxas offline)
-WGMMA_CANDIDATES = (mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE, gw.WgmmaTile(128, 128, 4),
+WGMMA_CANDIDATES = (mp.WGMMA_TILE, mp.WGMMA_TWO_BLOCK_TILE, gw.WgmmaTile(128, 128, 4),
                     gw.WgmmaTile(128, 128, 5, overlap=True), gw.WgmmaTile(64, 128, 4, overlap=True),
                     gw.WgmmaTile(192, 128, 4, overlap=True), gw.WgmmaTile(256, 128, 3, overlap=True),
-                    mm.WGMMA_TALL_TILE, gw.WgmmaTile(192, 192, 4, overlap=True))
+                    mp.WGMMA_TALL_TILE, gw.WgmmaTile(192, 192, 4, overlap=True))
 
 
 def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) -> list[Case]:
@@ -453,8 +454,8 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
             x = rng.standard_normal((m, k), dtype=np.float32)
             planes = cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
-            ptile = mm.pipelined_tile(m, n, k, True)
-            policy = mm.wgmma_tile(m, n)
+            ptile = mp.pipelined_tile(m, n, k, True)
+            policy = mp.wgmma_tile(m, n)
 
             def pipelined(dx, w_, out_, stream, m=m, tile=ptile, gated=gated):
                 gp.gemm_planes(dx, m, w_, out_, stream, tile=tile, bf16_inputs=True, gated=gated)
@@ -472,19 +473,19 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
 # with more stages, four of 64 x 128, and one warpgroup (decode batches)
 TMA_CANDIDATES = (gtma.TmaTile(128, 256, 4), gtma.TmaTile(128, 128, 6), gtma.TmaTile(256, 128, 4),
                   gtma.TmaTile(128, 256, 3), gtma.TmaTile(64, 256, 5), gtma.TmaTile(64, 128, 8))
-# at decode batches (--tma with M < matmul.WGMMA_MIN_M) the tiles of one and two consumer warpgroups
+# at decode batches (--tma with M < matmul_policy.WGMMA_MIN_M) the tiles of one and two consumer warpgroups
 TMA_DECODE_CANDIDATES = (gtma.TmaTile(64, 128, 8), gtma.TmaTile(64, 256, 5), gtma.TmaTile(128, 128, 6))
 
 
 def tma_split_plans(m: int, n: int, k: int) -> list[tuple[gtma.TmaTile, int]]:
     """(tile, splits) of gemm_tma worth timing for x (m, k) @ W (n, k)^T: at prefill sizes (m >= WGMMA_MIN_M)
     every TMA_CANDIDATES tile unsplit; at decode sizes every TMA_DECODE_CANDIDATES tile with K split for about
-    one block per SM (matmul.split_count, as gemm_wgmma's split plan), and at half that count."""
-    if m >= mm.WGMMA_MIN_M:
+    one block per SM (matmul_policy.split_count, as gemm_wgmma's split plan), and at half that count."""
+    if m >= mp.WGMMA_MIN_M:
         return [(t, 1) for t in TMA_CANDIDATES]
     slabs, plans = -(-k // gtma.TILE_K), []
     for t in TMA_DECODE_CANDIDATES:
-        splits = mm.split_count(gtma.tiles(t, m, n), slabs, mm.WGMMA_MIN_SPLIT_SLABS)
+        splits = mp.split_count(gtma.tiles(t, m, n), slabs, mp.WGMMA_MIN_SPLIT_SLABS)
         for s_ in dict.fromkeys((splits, max(1, splits // 2))):
             plans.append((t, s_))
     return plans
@@ -506,7 +507,7 @@ def tma_cases(ms=(64, 128, 256, 1024), weights=None, cold_bytes: int = COLD_BYTE
             dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
             scratch = cuda.device_array((m, n), np.float32)
             plans = tma_split_plans(m, n, k)
-            sizes_p, sizes_c = mm.split_workspace_sizes([(n, k, gated)], True)
+            sizes_p, sizes_c = mp.split_workspace_sizes([(n, k, gated)], True)
             size_p = max([sizes_p] + [gtma.split_partials_size(t, m, n, s_) for t, s_ in plans])
             size_c = max([sizes_c] + [gtma.tiles(t, m, n) for t, _ in plans])
             split_ws = (cuda.device_array(max(1, size_p), np.float32), cuda.to_device(np.zeros(size_c, np.int32)))
@@ -542,14 +543,14 @@ def _making_maps(check, launcher, planes, copies, dout):
 
 def wgmma_split_variants(m: int, n: int, k: int) -> list[tuple[gw.WgmmaTile, int]]:
     """(tile, splits) of gemm_wgmma worth timing for a decode batch of m rows: the split plan (policy first),
-    half and twice its splits, the 64-row tile against the 128-row one (and at m > 128, matmul.WGMMA_TALL_TILE:
+    half and twice its splits, the 64-row tile against the 128-row one (and at m > 128, matmul_policy.WGMMA_TALL_TILE:
     four warpgroups), each at its own plan's splits, and the plan's tile in its two-block form."""
-    tile, splits = mm.wgmma_split_plan(m, n, k)
+    tile, splits = mp.wgmma_split_plan(m, n, k)
     out = [(tile, splits), (tile, max(1, splits // 2)), (tile, splits * 2)]
-    others = [gw.WgmmaTile(64, 128, 4, overlap=True), mm.WGMMA_TILE, mm.WGMMA_TWO_BLOCK_TILE]
+    others = [gw.WgmmaTile(64, 128, 4, overlap=True), mp.WGMMA_TILE, mp.WGMMA_TWO_BLOCK_TILE]
     if m > 128:
-        others.append(mm.WGMMA_TALL_TILE)
-    out += [mm.wgmma_split_plan(m, n, k, tile=t) for t in others]
+        others.append(mp.WGMMA_TALL_TILE)
+    out += [mp.wgmma_split_plan(m, n, k, tile=t) for t in others]
     valid = []
     for t, s in out:
         if (t, s) not in valid and s in gw.valid_splits(k):
@@ -572,16 +573,16 @@ def wgmma_split_cases(ms=(16, 32, 64, 128, 192, 256), weights=None, cold_bytes: 
             planes = cuda.to_device(f32_to_bf16(x).ravel())
             dout = cuda.device_array((m, n // 2 if gated else n), np.float32)
             variants = wgmma_split_variants(m, n, k)
-            if m <= mm.PIPELINED_SKINNY_MAX_M:
-                ptile, psplits = mm.skinny_plan(m, n, k, True, gated)
+            if m <= mp.PIPELINED_SKINNY_MAX_M:
+                ptile, psplits = mp.skinny_plan(m, n, k, True, gated)
             else:
-                ptile, psplits = mm.pipelined_tile(m, n, k, True), 1
+                ptile, psplits = mp.pipelined_tile(m, n, k, True), 1
             size_p = max([gp.split_partials_size(ptile, m, n, psplits, gated)]
                          + [gw.split_partials_size(t, m, n, s_) for t, s_ in variants])
             size_c = max([gp.split_counters_size(ptile, m, n, gated)] + [gw.tiles(t, m, n) for t, _ in variants])
             split_ws = (cuda.device_array(size_p, np.float32), cuda.to_device(np.zeros(size_c, np.int32)))
-            if mm.uses_gemv_tc(m, n, k, True):
-                config = mm.gemv_tc_config(m, n, k)
+            if mp.uses_gemv_tc(m, n, k, True):
+                config = mp.gemv_tc_config(m, n, k)
 
                 def before(dx, w_, out_, stream, m=m, config=config, gated=gated):
                     gt.gemv_tc(dx, m, w_, out_, stream, config=config, gated=gated)
@@ -633,8 +634,8 @@ def engine_decode_cases(config, bf16_inputs: bool = False, cold_bytes: int = COL
 
 def _engine_kernel(n: int, k: int, gemv_name: str, simulator_path: str) -> str:
     """The kernel the engine's matmul dispatch runs for x (1, k) @ W (n, k)^T, with gemv_config's pick."""
-    if mm.uses_gemv(1, n):
-        config = mm.gemv_config(1, n, k)
+    if mp.uses_gemv(1, n):
+        config = mp.gemv_config(1, n, k)
         return f"{gemv_name} {type(config).__name__}{tuple(config)}"
     return f"{simulator_path} (the simulator's M = 1 path)"
 
@@ -784,7 +785,7 @@ def main() -> None:
         _print_rates(wgmma_cases([m for m in args.m if m > 128] or (192, 256, 300, 1024), args.weights), ["TFLOP/s"])
         return
     if args.wgmma_split:
-        _print_rates(wgmma_split_cases([m for m in args.m if 8 < m < mm.WGMMA_MIN_M] or (16, 32, 64, 128, 192, 256),
+        _print_rates(wgmma_split_cases([m for m in args.m if 8 < m < mp.WGMMA_MIN_M] or (16, 32, 64, 128, 192, 256),
                                        args.weights), ["weight GB/s", "TFLOP/s"])
         return
     if args.gemv_tc:
@@ -793,7 +794,7 @@ def main() -> None:
     if args.skinny:
         print("| case | time (us) | weight GB/s |")
         print("| --- | ---: | ---: |")
-        ms = [m for m in args.m if 8 < m <= mm.PIPELINED_SKINNY_MAX_M] or SKINNY_MS
+        ms = [m for m in args.m if 8 < m <= mp.PIPELINED_SKINNY_MAX_M] or SKINNY_MS
         for case in skinny_cases(ms, args.weights, bf16_inputs=not args.fp32):
             seconds = checked_time(case)
             if isinstance(seconds, str):
