@@ -7,8 +7,8 @@
 #      time and each kernel's) with TINYVLLM_TMA_DECODE=0 and =1, one process each (the switch is read at import);
 #   4. with it on, the engine's greedy tokens, its graphs and nothing compiled or captured after the warm-up
 #      (so every tensor map was made before the graphs were captured): tests/test_cuda_engine.py.
-# Usage: [KERNEL_CACHE_IN=DIR] [DECODE_CHECK_KERNELS=0] bash tools/gpu_decode_check.sh OUT_DIR
-# (DECODE_CHECK_KERNELS=0 skips step 2, for a short call)
+# Usage: [KERNEL_CACHE_IN=DIR] [DECODE_CHECK_KERNELS=0] [DECODE_CHECK_BATCHES=64,128,256] bash tools/gpu_decode_check.sh OUT
+# (for a short call: DECODE_CHECK_KERNELS=0 skips step 2, DECODE_CHECK_BATCHES replaces step 3's batches)
 # Every phase has a time limit (DECODE_CHECK_BUDGET seconds in all, default 560); results are written as they come.
 set -u
 out=${1:?usage: gpu_decode_check.sh OUT_DIR}
@@ -36,7 +36,7 @@ if [ "$rc" -eq 0 ]; then
   fi
   # 3. the decode step, off then on
   for flag in 0 1; do
-    TINYVLLM_TMA_DECODE=$flag timeout "$(left 150 150)" python3 tools/profile_step.py --batch 1,16,64,128,256 \
+    TINYVLLM_TMA_DECODE=$flag timeout "$(left 150 150)" python3 tools/profile_step.py --batch ${DECODE_CHECK_BATCHES:-1,16,64,128,256} \
       --matmul-precision bf16 --json "$out/profile_tma_decode_$flag.json" > "$out/profile_tma_decode_$flag.txt" 2>&1
     echo "profile_step, TINYVLLM_TMA_DECODE=$flag: exit $? at ${SECONDS} s" | tee -a "$out/env.txt"
   done
