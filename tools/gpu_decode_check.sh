@@ -20,28 +20,29 @@ if [ -n "${KERNEL_CACHE_IN:-}" ] && ls "$KERNEL_CACHE_IN"/kc.tgz.* >/dev/null 2>
   cat "$KERNEL_CACHE_IN"/kc.tgz.* | tar xzf - -C "$TINYVLLM_KERNEL_CACHE"
 fi
 budget=${DECODE_CHECK_BUDGET:-560}
-left() { local l=$((budget - SECONDS - $1)); [ "$l" -lt 10 ] && l=10; [ "$l" -gt "$2" ] && l=$2; echo "$l"; }
+# seconds for a phase: $1 percent of what the budget still holds (the later phases share the rest), at most $2
+share() { local l=$(((budget - SECONDS) * $1 / 100)); [ "$l" -lt 10 ] && l=10; [ "$l" -gt "$2" ] && l=$2; echo "$l"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$out/env.txt"
 
 # 1. the kernel's tests (a hang is interrupted, so pytest says where)
-timeout -s INT "$(left 400 150)" python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=60 \
+timeout -s INT "$(share 30 150)" python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_gemm_tma.py -k "split or entry or plans" > "$out/tests.txt" 2>&1
 rc=$?; echo "gemm_tma tests: exit $rc at ${SECONDS} s" | tee -a "$out/env.txt"
 if [ "$rc" -eq 0 ]; then
   # 2. the kernels alone
   if [ "${DECODE_CHECK_KERNELS:-1}" != 0 ]; then
-    timeout "$(left 330 120)" python3 -m tools.kernel_benchmarks.matmul --tma --m 16 32 64 128 \
+    timeout "$(share 25 120)" python3 -m tools.kernel_benchmarks.matmul --tma --m 16 32 64 128 \
       --weights gate_up down qkv o > "$out/tma_decode_kernels.md" 2>&1
     echo "kernel benchmark: exit $? at ${SECONDS} s" | tee -a "$out/env.txt"
   fi
   # 3. the decode step, off then on
   for flag in 0 1; do
-    TINYVLLM_TMA_DECODE=$flag timeout "$(left 150 150)" python3 tools/profile_step.py --batch ${DECODE_CHECK_BATCHES:-1,16,64,128,256} \
+    TINYVLLM_TMA_DECODE=$flag timeout "$(share $((33 + 17 * flag)) 150)" python3 tools/profile_step.py --batch ${DECODE_CHECK_BATCHES:-1,16,64,128,256} \
       --matmul-precision bf16 --json "$out/profile_tma_decode_$flag.json" > "$out/profile_tma_decode_$flag.txt" 2>&1
     echo "profile_step, TINYVLLM_TMA_DECODE=$flag: exit $? at ${SECONDS} s" | tee -a "$out/env.txt"
   done
   # 4. the engine with it on
-  TINYVLLM_TMA_DECODE=1 timeout "$(left 0 150)" python3 -m pytest -q -p no:cacheprovider \
+  TINYVLLM_TMA_DECODE=1 timeout "$(share 100 150)" python3 -m pytest -q -p no:cacheprovider \
     tests/test_cuda_engine.py -k "greedy or graph or warm_up" > "$out/engine_tests.txt" 2>&1
   echo "engine tests with TINYVLLM_TMA_DECODE=1: exit $? at ${SECONDS} s" | tee -a "$out/env.txt"
 fi
