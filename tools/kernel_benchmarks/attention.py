@@ -51,6 +51,23 @@ def _atol(q_per_seq, k_cache, v_cache, tables, contexts, scale=SCALE):
     return vmax * F32_EPS * (16 * (1 + smag) + 4 * np.sqrt(d) * smag + 8 * np.sqrt(max(contexts)))
 
 
+def _checker(out, expected):
+    """check(run) -> a Case's check: out poisoned with NaN, run on the default stream, then compared with
+    expected() = (reference result, atol), computed once, by the first check that needs it."""
+    computed = []
+
+    def check(run):
+        def check_one():
+            out.copy_to_device(np.full(out.shape, np.nan, np.float32))
+            run(0)
+            if not computed:
+                computed.append(expected())
+            want, atol = computed[0]
+            np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+        return check_one
+    return check
+
+
 def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_only=False):
     """v1, split-K (partition_size keys per partition) and the fast kernel (with its workspace and split
     policy, at 8 and 4 lanes per key) on one batch. bytes_moved is the K/V each must read at least."""
@@ -63,7 +80,8 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
     workspace = cuda.device_array(
         max(1, attention_policy.decode_workspace_size(batch, HQ, HKV, D, tables.shape[1])), np.float32)
     kv_bytes = 2 * batch * context * HKV * D * 2
-    reference = []   # computed once, by the first check that needs it
+    check = _checker(out, lambda: (ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE),
+                                   _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts)))
 
     def run_v1(stream):
         paged_attention.paged_attention_v1(dq, dk, dv, dt, dl, SCALE, out, stream)
@@ -76,16 +94,6 @@ def _decode_cases(rng, batch, context, partition_size=None, block=BLOCK, fast_on
             paged_attention_gqa.paged_attention(dq, dk, dv, dt, dl, SCALE, out, stream, lanes_per_key=lanes,
                                                 warps=warps, partition_blocks=blocks, workspace=workspace)
         return run
-
-    def check(run):
-        def check_one():
-            out.copy_to_device(np.full(out.shape, np.nan, np.float32))
-            run(0)
-            if not reference:
-                reference.append(ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE))
-            atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts)
-            np.testing.assert_allclose(out.copy_to_host(), reference[0], atol=atol, rtol=4 * F32_EPS)
-        return check_one
 
     shape = f"batch {batch} x context {context}, {HQ}/{HKV} heads, d {D}, block {block}"
     cases = []
@@ -131,19 +139,16 @@ def engine_decode_case(batch, context, heads=(HQ, HKV, D), block=BLOCK, kv_cache
     def launch(stream):
         attention_policy.decode_attention(dq, dk, dv, dt, dl, scale, out, stream, workspace=workspace)
 
-    def check():
-        out.copy_to_device(np.full(out.shape, np.nan, np.float32))
-        launch(0)
-        want = ref.paged_attention(q, k_cache, v_cache, tables, lens, scale)
-        atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts, scale)
-        np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
+    check = _checker(out, lambda: (ref.paged_attention(q, k_cache, v_cache, tables, lens, scale),
+                                   _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, contexts,
+                                         scale)))
 
     # the configuration decode_attention picks from the same shapes
     lanes, warps, blocks = attention_policy.decode_config(batch, hq, hkv, d, width)
     parts = -(-width // blocks)
     split = f"{parts} partitions of {blocks * block} keys" if parts > 1 else "no split"
     name = "PagedAttention decode" + ("" if kv_cache_dtype == "bf16" else f" ({kv_cache_dtype} KV cache)")
-    return Case("attention", name, launch, check, bytes_moved=2 * batch * context * hkv * d * itemsize,
+    return Case("attention", name, launch, check(launch), bytes_moved=2 * batch * context * hkv * d * itemsize,
                 shape=f"batch {batch} x context {context}, {hq}/{hkv} heads, d {d}, block {block}"
                 + ("" if kv_cache_dtype == "bf16" else f", {kv_cache_dtype}"),
                 config=f"paged_attention: {lanes} lanes/key, {warps} warps, {split}")
@@ -164,22 +169,14 @@ def _prefill_cases(rng, chunks, naive=False, tc_configs=None):
     out = cuda.device_array((tokens, HQ, D), np.float32)
     # causal (query, key) pairs: query i of a chunk after `cached` keys sees cached + i + 1 keys
     flops = 4 * HQ * D * sum(n * cached + n * (n + 1) // 2 for n, cached in chunks)
-    reference = []   # computed once, by the first check that needs it
+    check = _checker(out, lambda: (ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, SCALE),
+                                   _atol([q[cu[s]:cu[s + 1]] for s in range(len(chunks))], k_cache, v_cache,
+                                         tables, contexts)))
 
     def runner(launcher, **options):
         def run(stream):
             launcher(dq, dk, dv, dt, dcu, dl, SCALE, out, max(q_lens), stream, **options)
         return run
-
-    def check(run):
-        def check_one():
-            out.copy_to_device(np.full(out.shape, np.nan, np.float32))
-            run(0)
-            if not reference:
-                reference.append(ref.prefill_attention(q, k_cache, v_cache, tables, cu, lens, SCALE))
-            atol = _atol([q[cu[s]:cu[s + 1]] for s in range(len(chunks))], k_cache, v_cache, tables, contexts)
-            np.testing.assert_allclose(out.copy_to_host(), reference[0], atol=atol, rtol=4 * F32_EPS)
-        return check_one
 
     if len(chunks) == 1 and chunks[0][1] == 0:
         layout = f"{tokens} tokens, 1 sequence"
@@ -234,8 +231,9 @@ def policy_sweep(shapes=SWEEP_SHAPES, lanes_options=(8,)):
         dq, dk, dv, dt, dl = (cuda.to_device(a) for a in (q, k_cache, v_cache, tables, lens))
         out = cuda.device_array((batch, HQ, D), np.float32)
         workspace = cuda.device_array(batch * HQ * width * (D + 2), np.float32)   # room for any split
-        want = ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE)
-        atol = _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, [context] * batch)
+        expected = (ref.paged_attention(q, k_cache, v_cache, tables, lens, SCALE),
+                    _atol([q[s:s + 1] for s in range(batch)], k_cache, v_cache, tables, [context] * batch))
+        check = _checker(out, lambda expected=expected: expected)
         configs = [(lanes, warps, blocks) for lanes in lanes_options for warps in SWEEP_WARPS
                    if warps <= paged_attention_gqa.fast_warps(D, HQ // HKV, lanes)
                    for blocks in SWEEP_PARTITION_BLOCKS if blocks <= width]
@@ -246,14 +244,10 @@ def policy_sweep(shapes=SWEEP_SHAPES, lanes_options=(8,)):
                                                     workspace=workspace, partition_blocks=blocks,
                                                     lanes_per_key=lanes, warps=warps)
 
-            def check(run=run, out=out, want=want, atol=atol):
-                run(0)
-                np.testing.assert_allclose(out.copy_to_host(), want, atol=atol, rtol=4 * F32_EPS)
-
             parts = -(-width // blocks)
             cases.append(Case("attention", f"batch {batch} x context {context}, table {width} blocks: "
                               f"{lanes} lanes/key, {warps} warps, {parts} partitions of {blocks} blocks",
-                              run, check, bytes_moved=2 * batch * context * HKV * D * 2))
+                              run, check(run), bytes_moved=2 * batch * context * HKV * D * 2))
     return cases
 
 
