@@ -256,26 +256,26 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
     """With gemm_wgmma's split plans switched on (as on a GPU of compute capability 9.0), matmul, gated_matmul
     and mlp given a split workspace send decode rows below WGMMA_MIN_M to gemm_wgmma with K split: each result
     within the same bounds, the counters zero afterwards."""
-    calls = []
-    kernel = gw.gemm_wgmma
     monkeypatch.setattr(mp, "WGMMA_IN_ENGINE", True)
     monkeypatch.setattr(mp, "WGMMA_SPLIT_IN_ENGINE", True)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     if SIM:   # one block tile of rows (a simulated block costs seconds)
         monkeypatch.setattr(mp, "WGMMA_SPLIT_TILES", {mp.WGMMA_MIN_M - 1: gw.SIM_TILE})
         monkeypatch.setattr(mp, "WGMMA_SPLIT_MIN_M", 9)
-    monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(k["splits"]) or kernel(*a, **k))
-    m, n, f, k, split_ws = check_split_entry_points(monkeypatch, with_mlp=True)
+    m, n, f, k, calls = check_split_entry_points(monkeypatch, gw, "gemm_wgmma", with_mlp=True)
     plans = [mp.wgmma_split_plan(m, n, k)[1], mp.wgmma_split_plan(m, 2 * f, k)[1]]
     assert calls == plans + [plans[1], mp.wgmma_split_plan(m, k, f)[1]] and min(plans) > 1
-    assert (split_ws[1].copy_to_host() == 0).all()
 
 
-def check_split_entry_points(monkeypatch, with_mlp: bool):
+def check_split_entry_points(monkeypatch, module, name: str, with_mlp: bool):
     """matmul and gated_matmul (and with_mlp mlp) of WGMMA_SPLIT_MIN_M rows given workspaces of
     split_workspace_sizes, K = 8 slabs split in two (WGMMA_MIN_SPLIT_SLABS set to 4: the engine's 8-slab minimum
-    would need K = 1,024, twice the simulated work): each result within the summation bounds. Returns
-    (m, n, f, k, split workspace)."""
+    would need K = 1,024, twice the simulated work): each result within the summation bounds, the split counters
+    zero afterwards. The launches of module.name (gemm_wgmma or gemm_tma) are recorded. Returns (m, n, f, k, the
+    splits of each recorded launch)."""
+    calls = []
+    kernel = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(kw["splits"]) or kernel(*a, **kw))
     monkeypatch.setattr(mp, "WGMMA_MIN_SPLIT_SLABS", 4)
     m, n, f, k = mp.WGMMA_SPLIT_MIN_M, 16, 8, 512
     x, w = make_inputs(1, m, n, k)
@@ -297,7 +297,8 @@ def check_split_entry_points(monkeypatch, with_mlp: bool):
                act_planes=act_planes, split_workspace=split_ws)
         np.testing.assert_array_equal(act_planes.copy_to_host(), f32_to_bf16(gated.copy_to_host()))
         check(out2, bf16_to_f32(act_planes.copy_to_host()), w2, bf16_inputs=True)
-    return m, n, f, k, split_ws
+    assert (split_ws[1].copy_to_host() == 0).all()
+    return m, n, f, k, calls
 
 
 def test_entry_points_take_gemm_wgmma(monkeypatch):
