@@ -175,19 +175,20 @@ def prefill_flash_config(head_dim: int) -> tuple[int, int]:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, workspace=None,
-                     k_scale=1.0, v_scale=1.0):
+                     k_scale=1.0, v_scale=1.0, planes=None, bf16_inputs: bool = False):
     """out (S, Hq, d) <- decode attention, as the engine runs it: paged_attention_gqa.paged_attention (same
     arguments) in decode_config's configuration. workspace: a float32 device array of at least
     decode_workspace_size(...) elements, or None. With it the context is split into decode_partitions(...)
     partitions and a second kernel merges them; without it one pass per (sequence, KV head), fine for big
-    batches."""
+    batches. planes, bf16_inputs: out's bf16 planes as well, for the O projection (paged_attention's)."""
     num_seqs, num_heads, head_dim = q.shape
     lanes, warps, partition_blocks = decode_config(num_seqs, num_heads, k_cache.shape[2], head_dim,
                                                    block_tables.shape[1])
     paged_attention_gqa.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream,
                                         lanes_per_key=lanes, warps=warps,
                                         partition_blocks=None if workspace is None else partition_blocks,
-                                        workspace=workspace, k_scale=k_scale, v_scale=v_scale)
+                                        workspace=workspace, k_scale=k_scale, v_scale=v_scale, planes=planes,
+                                        bf16_inputs=bf16_inputs)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out, max_q_len,

@@ -85,6 +85,7 @@ from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch, view
 from cuda_kernels.mma import mma_bf16_m16n8k16, split_bf16x3
 from cuda_kernels import pdl
+from cuda_kernels.planes import pieces, planes_store
 from cuda_kernels.primitives import WARP, f32_to_bf16
 from cuda_kernels import split_k as split
 from cuda_kernels.split_k import check_split_args, meeting, split_range
@@ -106,11 +107,6 @@ class PipelinedTile(NamedTuple):
 SIM_TILE = PipelinedTile(16, 32, 32, 16, 16, 3)
 
 
-def pieces(bf16_inputs: bool) -> int:
-    """bf16 planes of x: 1 (x rounded) with bf16_inputs, else 3 (the bf16x3 split)."""
-    return 1 if bf16_inputs else 3
-
-
 def shared_bytes(tile: PipelinedTile, bf16_inputs: bool) -> int:
     """Dynamic shared memory of a block: STAGES stages of P * BM rows of x planes and BN rows of W."""
     return tile.stages * (pieces(bf16_inputs) * tile.bm + tile.bn) * (tile.bk + CHUNK) * 2
@@ -127,6 +123,8 @@ def workspace_size(m: int, k: int, bf16_inputs: bool) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _planes_kernel(bf16_inputs: bool):
+    store = planes_store(pieces(bf16_inputs))
+
     @cuda.jit
     def bf16_planes_kernel(x, planes):
         """x (M * K,) f32 flat; planes (>= P * M * K,) u16: planes[p * M * K + i] = piece p of x[i].
@@ -134,13 +132,7 @@ def _planes_kernel(bf16_inputs: bool):
         size = x.shape[0]
         start, step = cuda.grid(1), cuda.gridsize(1)
         for i in range(start, size, step):
-            if bf16_inputs:
-                planes[i] = f32_to_bf16(x[i])
-            else:
-                hi, mid, lo = split_bf16x3(x[i])
-                planes[i] = uint16(hi)
-                planes[size + i] = uint16(mid)
-                planes[2 * size + i] = uint16(lo)
+            store(planes, size, i, x[i])
 
     return bf16_planes_kernel
 

@@ -68,6 +68,7 @@ from cuda_kernels.attention_args import check_decode_args, expect, folded_scales
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.kv_format import unpack_bf16x4
 from cuda_kernels.launch import launch, view
+from cuda_kernels.planes import planes_output, planes_store
 from cuda_kernels.primitives import WARP, warp_max, warp_sum
 
 MAX_WARPS = 2 if SIMULATOR else 4   # warps per block (the simulator runs one Python thread per CUDA thread)
@@ -320,30 +321,42 @@ def _decode_kernels(head_dim: int, block_size: int, num_kv_heads: int, warps: in
     return decode_kernel, split_kernel
 
 
-@cuda.jit
-def paged_attention_reduce_kernel(partial_out, partial_max, partial_sum, context_lens, partition_size, out):
-    # grid = (S, Hq), one warp: lane i reads partitions i, i + 32, ... and owns dims i, i + 32, ...
-    pdl.launch_dependents()
-    pdl.grid_wait()
-    seq, head = cuda.blockIdx.x, cuda.blockIdx.y
-    lane = cuda.threadIdx.x
-    n = (context_lens[seq] + partition_size - 1) // partition_size
-    n = min(max(n, 0), partial_max.shape[2])   # never read past the workspace, whatever context_lens says
-    local = NEG_INF
-    for p in range(lane, n, WARP):
-        local = max(local, partial_max[seq, head, p])
-    big = warp_max(local)
-    big_safe = big if big != NEG_INF else float32(0)
-    local = float32(0)
-    for p in range(lane, n, WARP):
-        local += math.exp(partial_max[seq, head, p] - big_safe) * partial_sum[seq, head, p]
-    total = warp_sum(local)
-    for dim in range(lane, out.shape[2], WARP):
-        acc = float32(0)
-        for p in range(n):
-            # NOTE: rescale each partition from its own max to the common one before adding.
-            acc += math.exp(partial_max[seq, head, p] - big_safe) * partial_out[seq, head, p, dim]
-        out[seq, head, dim] = acc / total if total > float32(0) else float32(0)
+@lru_cache(maxsize=None)
+def _reduce_kernel(pieces: int = 0):
+    """The reduce kernel; with pieces 1 or 3 it writes out's bf16 planes as well (planes.planes_store)."""
+    store_planes = planes_store(pieces)
+
+    @cuda.jit
+    def paged_attention_reduce_kernel(partial_out, partial_max, partial_sum, context_lens, partition_size, out,
+                                      planes):
+        # grid = (S, Hq), one warp: lane i reads partitions i, i + 32, ... and owns dims i, i + 32, ...;
+        # planes (>= pieces * S * Hq * D,) u16: out's bf16 planes (unused for pieces 0)
+        pdl.launch_dependents()
+        pdl.grid_wait()
+        seq, head = cuda.blockIdx.x, cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        n = (context_lens[seq] + partition_size - 1) // partition_size
+        n = min(max(n, 0), partial_max.shape[2])   # never read past the workspace, whatever context_lens says
+        local = NEG_INF
+        for p in range(lane, n, WARP):
+            local = max(local, partial_max[seq, head, p])
+        big = warp_max(local)
+        big_safe = big if big != NEG_INF else float32(0)
+        local = float32(0)
+        for p in range(lane, n, WARP):
+            local += math.exp(partial_max[seq, head, p] - big_safe) * partial_sum[seq, head, p]
+        total = warp_sum(local)
+        hq, d = out.shape[1], out.shape[2]
+        for dim in range(lane, d, WARP):
+            acc = float32(0)
+            for p in range(n):
+                # NOTE: rescale each partition from its own max to the common one before adding.
+                acc += math.exp(partial_max[seq, head, p] - big_safe) * partial_out[seq, head, p, dim]
+            result = acc / total if total > float32(0) else float32(0)
+            out[seq, head, dim] = result
+            store_planes(planes, out.shape[0] * hq * d, (seq * hq + head) * d + dim, result)
+
+    return paged_attention_reduce_kernel
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -416,9 +429,11 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, context_lens, scale
     paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, partition_size, out, stream)
 
 
-def paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, partition_size, out, stream=0):
+def paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, partition_size, out, stream=0,
+                           planes=None, bf16_inputs: bool = False):
     """out (S, Hq, d) <- the split-K partials merged: the second kernel of paged_attention_split, and of
-    paged_attention_gqa.paged_attention when it splits."""
+    paged_attention_gqa.paged_attention when it splits. planes: out's bf16 planes as well, into this uint16
+    workspace (planes.planes_output: one plane, rounded, with bf16_inputs, else the three of the bf16x3 split)."""
     if partial_out.ndim != 4 or partial_out.dtype != np.float32:
         raise ValueError(f"partial_out: expected (num_seqs, num_heads, partitions, head_dim) float32, "
                          f"got {tuple(partial_out.shape)} {partial_out.dtype}")
@@ -426,10 +441,11 @@ def paged_attention_reduce(partial_out, partial_max, partial_sum, context_lens, 
     _check_workspace(s, hq, d, partial_out, partial_max, partial_sum, partition_size)
     expect("context_lens", context_lens, (s,), np.int32)
     expect("out", out, (s, hq, d), np.float32)
+    pieces, planes = planes_output(planes, out, bf16_inputs)
     if s == 0:
         return
-    launch(paged_attention_reduce_kernel, (s, hq), WARP, stream, partial_out, partial_max, partial_sum,
-           context_lens, int(partition_size), out, dependent=True)
+    launch(_reduce_kernel(pieces), (s, hq), WARP, stream, partial_out, partial_max, partial_sum,
+           context_lens, int(partition_size), out, planes, dependent=True)
 
 
 def _check_workspace(s, hq, d, partial_out, partial_max, partial_sum, partition_size):

@@ -73,6 +73,7 @@ from cuda_kernels.attention_args import check_decode_args, folded_scales
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.kv_format import WORD_ELEMS
 from cuda_kernels.launch import launch
+from cuda_kernels.planes import planes_output, planes_store
 from cuda_kernels.paged_attention import MAX_WARPS, cache_rows, paged_attention_reduce
 from cuda_kernels.primitives import FULL_MASK, WARP
 
@@ -128,13 +129,15 @@ else:
 
 @lru_cache(maxsize=None)
 def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, lanes_per_key: int, warps: int,
-                 fmt: str = "bf16"):
+                 fmt: str = "bf16", pieces: int = 0):
     """(direct kernel, split kernel) of the fast decode attention for one configuration (see the module
-    docstring). The direct kernel (grid z = 1) writes out; the split kernel writes the partials of its
-    partition, which paged_attention.paged_attention_reduce_kernel merges. fmt: the KV format (a word holds
-    E = 4 bf16, 2 fp32 or 8 fp8 elements; everything below counts words)."""
+    docstring). The direct kernel (grid z = 1) writes out, and with pieces 1 or 3 out's bf16 planes as well;
+    the split kernel writes the partials of its partition, which paged_attention.paged_attention_reduce
+    merges. fmt: the KV format (a word holds E = 4 bf16, 2 fp32 or 8 fp8 elements; everything below counts
+    words)."""
     D, BLOCK_SIZE, HKV, G, LANES_PER_KEY, WARPS = head_dim, block_size, num_kv_heads, group, lanes_per_key, warps
     E = WORD_ELEMS[fmt]
+    store_planes = planes_store(pieces)
     unpack = kv_format.codec(fmt)[2]
     THREADS = WARPS * WARP
     BLOCK_HEADS = heads_per_block(G)         # query heads per block
@@ -345,10 +348,10 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         return total, value
 
     @cuda.jit
-    def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out):
+    def direct_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out, planes):
         # q, out (S, Hq, D) f32; k_rows, v_rows (blocks * BLOCK_SIZE * HKV, D/E) u64, row (block * BLOCK_SIZE
         # + offset) * HKV + kv head; block_tables (S, max_blocks) i32; grid (S, HKV * HEAD_CHUNKS); scale
-        # includes fp8's k_scale
+        # includes fp8's k_scale; planes (>= pieces * S * Hq * D,) u16: out's bf16 planes (unused for pieces 0)
         pdl.launch_dependents()
         seq, kvh, h0, nh = seq_and_heads()
         sm = cuda.shared.array(ML_SIZE, float32)
@@ -359,10 +362,13 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, 0, table_blocks(ctx, block_tables), ctx,
                scale, sm, sl, sacc)
         weigh(sm, sl, sw)
+        size = out.shape[0] * out.shape[1] * D
         for t in range(cuda.threadIdx.x, nh * D, THREADS):
             h, dim = t // D, t % D
             total, value = merged(sl, sacc, sw, h, dim)
-            out[seq, h0 + h, dim] = value / total * v_scale if total > float32(0) else float32(0)
+            result = value / total * v_scale if total > float32(0) else float32(0)
+            out[seq, h0 + h, dim] = result
+            store_planes(planes, size, (seq * out.shape[1] + h0 + h) * D + dim, result)
 
     @cuda.jit
     def split_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, partition_blocks, partial_out,
@@ -416,7 +422,8 @@ def fast_warps(head_dim: int, group: int, lanes_per_key: int, most: int = MAX_WA
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, stream=0, *, lanes_per_key, warps,
-                    partition_blocks=None, workspace=None, k_scale=1.0, v_scale=1.0):
+                    partition_blocks=None, workspace=None, k_scale=1.0, v_scale=1.0, planes=None,
+                    bf16_inputs: bool = False):
     """out (S, Hq, d) <- decode attention of each sequence's one query over its paged context (fast kernel).
 
     The caches in any format of kv_format; k_scale, v_scale: the fp8 cache's per-tensor scales.
@@ -427,6 +434,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     block table is cut into P = ceil(max_blocks / partition_blocks) partitions whose partials go to workspace
     (a float32 device array of at least S * Hq * P * (d + 2) elements) and a second kernel merges them; None,
     or P = 1: one pass, no workspace needed.
+    planes: out's bf16 planes as well, written by whichever kernel writes out, into this uint16 workspace
+    (planes.planes_output: one plane, rounded, with bf16_inputs, else the three of the bf16x3 split), so that the O
+    projection that follows needs no conversion kernel.
     NOTE: launched with PDL, so the kernel before it in the stream may still run while this one reads
     block_tables, context_lens and the K/V of every key but each sequence's newest (position
     context_len - 1): only that key may come from the kernel before (a decode step's QKV + RoPE)."""
@@ -449,18 +459,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out,
     parts = -(-max_blocks // int(partition_blocks))
     if parts > 1:
         partials = _carve(workspace, num_seqs, num_heads, parts, d)
+    pieces, planes_arg = planes_output(planes, out, bf16_inputs)
     if num_seqs == 0:
         return
-    direct, split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes_per_key, warps, fmt)
+    direct = _gqa_kernels(d, block_size, num_kv_heads, group, lanes_per_key, warps, fmt, pieces)[0]
+    split = _gqa_kernels(d, block_size, num_kv_heads, group, lanes_per_key, warps, fmt)[1]   # (writes no planes)
     grid = (num_seqs, num_kv_heads * -(-group // heads_per_block(group)))
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     if parts == 1:
         launch(direct, grid, warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens, scale, v_scale,
-               out, dependent=True)
+               out, planes_arg, dependent=True)
         return
     launch(split, grid + (parts,), warps * WARP, stream, q, k_rows, v_rows, block_tables, context_lens,
            scale, v_scale, int(partition_blocks), *partials, dependent=True)
-    paged_attention_reduce(*partials, context_lens, int(partition_blocks) * block_size, out, stream)
+    paged_attention_reduce(*partials, context_lens, int(partition_blocks) * block_size, out, stream, planes,
+                           bf16_inputs)
 
 
 def _carve(workspace, num_seqs, num_heads, parts, d):

@@ -27,13 +27,13 @@ Versions: v1 (restructured as above); v2 the same with the planes output.
 import math
 from functools import lru_cache
 
-from numba import cuda, float32, uint16
+from numba import cuda, float32
 
 from cuda_kernels import pdl
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch
-from cuda_kernels.mma import split_bf16x3
-from cuda_kernels.primitives import bf16_to_f32, block_sum, f32_to_bf16
+from cuda_kernels.planes import planes_output, planes_store
+from cuda_kernels.primitives import bf16_to_f32, block_sum
 
 # The simulator runs one Python thread per CUDA thread: keep its blocks small.
 # NOTE: 1024 threads on the GPU: at decode one row is the whole grid, so the more threads share it, the fewer
@@ -48,6 +48,7 @@ THREADS = 64 if SIMULATOR else 1024
 def _rmsnorm_kernel(fused: bool, h: int, threads: int, pieces: int = 0):
     """pieces: 0 (no planes output), 1 or 3 (out's bf16 planes as well, see the module docstring)."""
     C = -(-h // threads)   # columns per thread
+    store_planes = planes_store(pieces)
 
     @cuda.jit(device=True, inline=True)
     def body(x, residual, weight, eps, out, planes):
@@ -80,13 +81,7 @@ def _rmsnorm_kernel(fused: bool, h: int, threads: int, pieces: int = 0):
             if col < h:
                 result = v[i] * inv_rms * w[i]
                 out[row, col] = result
-                if pieces == 1:
-                    planes[row * h + col] = f32_to_bf16(result)
-                elif pieces == 3:
-                    hi, mid, lo = split_bf16x3(result)
-                    planes[row * h + col] = uint16(hi)
-                    planes[size + row * h + col] = uint16(mid)
-                    planes[2 * size + row * h + col] = uint16(lo)
+                store_planes(planes, size, row * h + col, result)
 
     if pieces:
         @cuda.jit
@@ -124,10 +119,7 @@ def fused_add_rmsnorm(x, residual, weight, eps, out, stream=0, planes=None, bf16
 
 def _launch(fused, x, residual, weight, eps, out, stream, planes, bf16_inputs):
     t, h = x.shape
-    pieces = 0 if planes is None else (1 if bf16_inputs else 3)
-    if planes is not None and (planes.dtype.name != "uint16" or planes.ndim != 1 or planes.shape[0] < pieces * t * h):
-        raise ValueError(f"planes: expected a 1-D uint16 workspace of at least {pieces * t * h} elements, got "
-                         f"{tuple(planes.shape)} {planes.dtype}")
+    pieces, planes = planes_output(planes, out, bf16_inputs)
     if t:
         args = (x, residual, weight, eps, out) + ((planes,) if pieces else ())
         launch(_rmsnorm_kernel(fused, h, THREADS, pieces), t, THREADS, stream, *args, dependent=True)

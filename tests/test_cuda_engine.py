@@ -50,6 +50,42 @@ def test_bf16_matmul_precision_in_the_simulator_equals_the_cpu_reference(tiny_mo
                                                                                         use_tqdm=False))
 
 
+@pytest.mark.skipif(GPU, reason="the simulator's view of a GPU path (the GPU runs it in every decode step)")
+def test_decode_writes_the_o_projections_and_lm_heads_planes_in_the_simulator(tiny_model_dir, monkeypatch):
+    """Where the O projection and the LM head read their input's bf16 plane (gemv_tc, switched on here for those
+    two weights alone: every emulated mma costs two block barriers; on the GPU also the skinny and warpgroup
+    GEMMs), a decode step has the kernels before them write it: the decode attention (it gets the planes
+    workspace in every decode step) and the final norm, whose rows the LM head then multiplies with no gather.
+    The greedy tokens equal the CPU reference's: had either not written its plane, its GEMM would multiply
+    whatever the workspace held (the planes of an earlier input)."""
+    from cuda_kernels import attention_policy, matmul_policy
+
+    c = LLM(tiny_model_dir, backend="cpu", num_kv_blocks=8).engine.config
+    shapes = {(c.hidden_size, c.q_size), (c.vocab_size, c.hidden_size)}   # O, LM head
+    others = {(c.q_size + 2 * c.kv_size, c.hidden_size), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size)}
+    assert len(shapes) == 2 and not shapes & others   # no other weight of the tiny model takes gemv_tc
+    monkeypatch.setattr(matmul_policy, "uses_gemv_tc",
+                        lambda m, n, k, bf16_inputs: bf16_inputs and m <= 16 and (n, k) in shapes)
+    calls = []
+    decode_attention = attention_policy.decode_attention
+
+    def recorded(*args, planes=None, **kwargs):
+        calls.append(planes is not None and kwargs["bf16_inputs"])
+        decode_attention(*args, planes=planes, **kwargs)
+
+    monkeypatch.setattr(attention_policy, "decode_attention", recorded)
+    prompts = [[256, 1, 2, 3, 4, 5], [256, 40, 41]]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    cpu = LLM(tiny_model_dir, backend="cpu", block_size=4, matmul_precision="bf16")
+    gpu = LLM(tiny_model_dir, backend="cuda", block_size=4, max_num_seqs=2, num_kv_blocks=8,
+              matmul_precision="bf16")
+    calls.clear()   # (the warm-up's steps)
+    assert tokens(gpu.generate(prompts, greedy, use_tqdm=False)) == tokens(cpu.generate(prompts, greedy,
+                                                                                        use_tqdm=False))
+    assert calls and all(calls)
+
+
 def test_auto_matmul_precision_is_bf16_on_the_cuda_engine_and_fp32_on_the_cpu(tiny_model_dir):
     """The default ("auto"): the CUDA engine's fast path, what the benchmarks measure; the CPU reference's
     exact inputs. An explicit precision is kept on either backend."""

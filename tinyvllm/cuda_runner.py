@@ -282,9 +282,11 @@ class CUDARunner:
             embedding.chain_tokens(ids, self.tokens, v["chain_src"], stream)
         embedding.embedding(ids, self.embed, x, stream)
         trace(-1, "embedding", x)
-        # where the QKV and gate/up GEMMs run gemm_pipelined, the norms before them write h's bf16 planes too
-        planes_qkv = self._planes_for(t, c.q_size + 2 * c.kv_size, False)
-        planes_mlp = self._planes_for(t, 2 * c.intermediate_size, True)
+        # where the QKV, O and gate/up GEMMs read their input's bf16 planes, the kernels before them write the
+        # planes too (the norms; for O the decode attention): no conversion kernel between them
+        planes_qkv = self._planes_for(t, c.q_size + 2 * c.kv_size, c.hidden_size, False)
+        planes_o = self._planes_for(t, c.hidden_size, c.q_size, False) if decode else None
+        planes_mlp = self._planes_for(t, 2 * c.intermediate_size, c.hidden_size, True)
         for i, layer in enumerate(self.layers):
             if i == 0:
                 rmsnorm.rmsnorm(x, layer["input_norm"], c.rms_norm_eps, h, stream, planes_qkv, self.bf16_inputs)
@@ -301,12 +303,13 @@ class CUDARunner:
             trace(i, "v", self.v_cache[i])
             if decode:
                 attention_policy.decode_attention(q, self.k_cache[i], self.v_cache[i], tables, ctx, self.scale,
-                                                  attn, stream, workspace=self.attn_workspace, **scales)
+                                                  attn, stream, workspace=self.attn_workspace, planes=planes_o,
+                                                  bf16_inputs=self.bf16_inputs, **scales)
             else:
                 attention_policy.prefill_attention(q, self.k_cache[i], self.v_cache[i], tables, v["cu_seqlens_q"],
                                                    ctx, self.scale, attn, max_q_len, stream, **scales)
             trace(i, "attention", attn)
-            mm(p["attn_rows"], layer["o"], sub, stream)
+            mm(p["attn_rows"], layer["o"], sub, stream, planes_ready=planes_o is not None)
             trace(i, "o_proj", sub)
             rmsnorm.fused_add_rmsnorm(sub, x, layer["post_norm"], c.rms_norm_eps, h, stream, planes_mlp,
                                       self.bf16_inputs)
@@ -317,19 +320,27 @@ class CUDARunner:
             trace(i, "mlp", sub)
         if n == 0 and m == 0:
             return
-        rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream)
+        # A decode step samples every row in order (logits_indices = 0 .. t - 1): the LM head multiplies h itself,
+        # with no gather, and its bf16 planes where it reads them, written by the final norm.
+        direct = decode and n == t
+        planes_lm = self._planes_for(t, c.vocab_size, c.hidden_size, False) if direct else None
+        rmsnorm.fused_add_rmsnorm(sub, x, self.final_norm, c.rms_norm_eps, h, stream, planes_lm, self.bf16_inputs)
         if n:
-            self._sample(v, p, h, mm, mode, stream)
+            self._sample(v, p, h, mm, mode, stream, direct, planes_lm is not None)
         if m:
             self._prompt_logprobs(v, m, h, mm, stream)
 
-    def _sample(self, v: dict, p: dict, h, mm, mode: SamplingMode, stream) -> None:
-        """The sampled rows: LM head, then (penalties ->) argmax or sample (-> raw logits back, logprobs)."""
+    def _sample(self, v: dict, p: dict, h, mm, mode: SamplingMode, stream, direct: bool, planes_ready: bool) -> None:
+        """The sampled rows: LM head, then (penalties ->) argmax or sample (-> raw logits back, logprobs). direct:
+        the sampled rows are h's rows in order (no gather); planes_ready: h's bf16 planes are in the workspace."""
         last, logits, tokens = p["last"], p["logits"], p["tokens"]
-        embedding.gather_rows(h, v["logits_indices"], last, stream)
+        if direct:
+            last = h
+        else:
+            embedding.gather_rows(h, v["logits_indices"], last, stream)
         if self.trace is not None:
             self.trace(-1, "final_norm", last)
-        mm(last, self.lm_head, logits, stream)
+        mm(last, self.lm_head, logits, stream, planes_ready=planes_ready)
         if self.trace is not None:
             self.trace(-1, "logits", logits)
         n = logits.shape[0]
@@ -387,10 +398,11 @@ class CUDARunner:
             self.graphs[key] = CUDAGraph(partial(self._forward, self.inputs.views(shape), shape, 1, mode,
                                                  chained=True), self.stream)
 
-    def _planes_for(self, t: int, n: int, gated: bool):
-        """The planes workspace, if the GEMM of t rows by a weight of n rows (K = hidden) reads x's bf16 planes
-        (gemv_tc or gemm_pipelined: matmul_policy.reads_planes), which the norm before it then writes, else None."""
-        reads = matmul_policy.reads_planes(t, n, self.config.hidden_size, self.bf16_inputs, gated, self.split_workspace)
+    def _planes_for(self, t: int, n: int, k: int, gated: bool):
+        """The planes workspace, if the GEMM of t rows by a weight (n, k) reads x's bf16 planes (gemv_tc,
+        gemm_pipelined, gemm_wgmma or gemm_tma: matmul_policy.reads_planes), which the kernel before it then
+        writes, else None."""
+        reads = matmul_policy.reads_planes(t, n, k, self.bf16_inputs, gated, self.split_workspace)
         return self.planes if reads else None
 
     def _prefixes(self, t: int, n: int) -> dict:

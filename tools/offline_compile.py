@@ -239,8 +239,9 @@ def attention_warps(ptxas: Path, block_size: int, kv_formats=("bf16",)) -> int:
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     bad = 0
     f32_3d, u64_2d, i32_2d = types.float32[:, :, ::1], types.uint64[:, ::1], types.int32[:, ::1]
-    # (q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out)
-    direct_sig = (f32_3d, u64_2d, u64_2d, i32_2d, types.int32[::1], types.float32, types.float32, f32_3d)
+    # (q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, out, planes)
+    direct_sig = (f32_3d, u64_2d, u64_2d, i32_2d, types.int32[::1], types.float32, types.float32, f32_3d,
+                  types.uint16[::1])
     split_sig = direct_sig[:7] + (types.int64, types.float32[:, :, :, ::1], types.float32[:, :, ::1],
                                   types.float32[:, :, ::1])
     for fmt in kv_formats:
@@ -248,7 +249,8 @@ def attention_warps(ptxas: Path, block_size: int, kv_formats=("bf16",)) -> int:
             for group in (1, 2, 3, 4, 5, 7, 8):
                 for lanes in (4, 8):
                     warps = pa.fast_warps(d, group, lanes, most=pa.FAST_WARPS_BY_FORMAT[fmt])
-                    kernels = pa._gqa_kernels(d, block_size, 8, group, lanes, warps, fmt)
+                    # the direct kernel as the engine's bf16 decode runs it: writing the O projection's plane too
+                    kernels = pa._gqa_kernels(d, block_size, 8, group, lanes, warps, fmt, 1)
                     for name, kernel, sig in zip(("direct", "split"), kernels, (direct_sig, split_sig)):
                         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
                         regs = ptxas_registers(ptxas, ptx)

@@ -22,6 +22,7 @@ from cuda_kernels import (attention, attention_policy, attention_tc, attention_t
                           matmul_policy, paged_attention, paged_attention_gqa)
 from reference import paged_attention as ref
 from reference.bf16 import f32_to_bf16, round_to_bf16
+from reference.matmul import bf16_planes as reference_bf16_planes
 from reference.kv_cache import allocate_kv_cache, kv_cache_write
 from reference.kv_format import NANS, kv_decode, round_kv
 from reference.rope import rope_tables
@@ -243,20 +244,23 @@ fast_warp_counts = st.sampled_from(pick([None, 1, 3], [None, 8, "most"]))
 
 @settings(max_examples=examples(10, 80))
 @given(seeds, decode_contexts(shortest=0), fast_heads, fast_head_dims, st.sampled_from([16, 32]), kinds,
-       st.sampled_from([4, 8]), fast_splits, fast_warp_counts, kv_formats)
+       st.sampled_from([4, 8]), fast_splits, fast_warp_counts, kv_formats, st.sampled_from([0, 1, 3]))
 # always: padding, a one-token and a multi-block context in one batch, split into several partitions; a group
 # of 5 query heads (two blocks, the second one short) and a head_dim that is not a multiple of 4 words; fp32
 # and scaled fp8 caches (2 and 8 elements per word: a row of 3 and of 1 words for 8 lanes)
 @example(seed=1, contexts=[0, 1, 70], hg=(2, 2), d=16, block_size=16, kind="normal", lanes=4, split=1, warps=None,
-         fmt=KV_FORMATS[0])
+         fmt=KV_FORMATS[0], pieces=1)
 @example(seed=2, contexts=[33, 0], hg=(1, 5), d=24, block_size=32, kind="large", lanes=8, split="none", warps=3,
-         fmt=KV_FORMATS[0])
+         fmt=KV_FORMATS[0], pieces=3)
 @example(seed=3, contexts=[0, 40], hg=(1, 3), d=24, block_size=16, kind="normal", lanes=8, split=1, warps=None,
-         fmt=KV_FORMATS[2])
+         fmt=KV_FORMATS[2], pieces=0)
 @example(seed=4, contexts=[19, 50], hg=(1, 4), d=8, block_size=16, kind="normal", lanes=4, split="none", warps=None,
-         fmt=KV_FORMATS[4])
+         fmt=KV_FORMATS[4], pieces=1)
 def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_size, kind, lanes, split, warps,
-                                                fmt):
+                                                fmt, pieces):
+    """Against the reference, and with pieces 1 or 3 the O projection's bf16 planes of the output as well,
+    written by the direct or the reduce kernel (each piece exactly reference.matmul.bf16_planes' of the
+    output), into a workspace poisoned with 0xFFFF past them (a NaN bf16 pattern) that must stay so."""
     q, k_cache, v_cache, tables, lens, ks, vs = decode_case(seed, contexts, hg, d, block_size, kind, fmt)
     hkv, group = hg
     scale = 1 / np.sqrt(d)
@@ -279,11 +283,18 @@ def test_paged_attention_fast_matches_reference(seed, contexts, hg, d, block_siz
         # NaN-filled: a partition the reduce reads but the kernel did not write would show
         workspace = to_device(np.full(max(size, 1), np.nan, np.float32))
     out = device_empty(q.shape, np.float32)
+    planes = to_device(np.full(pieces * q.size + 7, 0xFFFF, np.uint16)) if pieces else None
     paged_attention_gqa.paged_attention(*devices(q, k_cache, v_cache, tables, lens), scale, out,
                                         workspace=workspace, partition_blocks=partition_blocks,
-                                        lanes_per_key=lanes, warps=warps, k_scale=fmt[1], v_scale=fmt[2])
+                                        lanes_per_key=lanes, warps=warps, k_scale=fmt[1], v_scale=fmt[2],
+                                        planes=planes, bf16_inputs=pieces == 1)
     want = decode_reference(q, k_cache, v_cache, tables, lens, scale, fmt)
     assert_close(out, want, atol=decode_atol(q, ks, vs, scale, group), rtol=4 * F32_EPS)
+    if pieces:
+        written = planes.copy_to_host()
+        np.testing.assert_array_equal(written[:pieces * q.size],
+                                      reference_bf16_planes(out.copy_to_host(), pieces == 1).ravel())
+        assert (written[pieces * q.size:] == 0xFFFF).all()
 
 
 @settings(max_examples=examples(4, 10))
@@ -673,6 +684,10 @@ def test_decode_launcher_errors(changes, message):
     (dict(partition_blocks=1), "need a workspace"),        # 2 partitions of the 2-block table
     (dict(partition_blocks=1, workspace=np.zeros(2 * 4 * 2 * 18 - 1, np.float32)), "workspace: expected"),
     (dict(partition_blocks=1, workspace=np.zeros(2 * 4 * 2 * 18, np.float64)), "workspace: expected"),
+    # out's planes: 2 x 4 x 16 = 128 elements, one plane with bf16 inputs, three without
+    (dict(planes=np.zeros(127, np.uint16), bf16_inputs=True), "planes: expected a 1-D uint16 workspace of at least 128"),
+    (dict(planes=np.zeros(128, np.uint16)), "at least 384 elements .3 bf16 planes of 128."),
+    (dict(planes=np.zeros(128, np.float32), bf16_inputs=True), "planes: expected"),
 ])
 def test_fast_decode_launcher_errors(options, message):
     options = {k: (to_device(v) if isinstance(v, np.ndarray) else v) for k, v in options.items()}

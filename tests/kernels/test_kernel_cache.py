@@ -38,6 +38,8 @@ kernels = {
     "gemv rope fp32": gemv._gemv_kernel(1, 4, 4, 4, 2, True, True, "rope", 64, "fp32"),
     "decode attention": pa._gqa_kernels(64, 16, 8, 4, 8, 4)[0],
     "decode attention fp8": pa._gqa_kernels(64, 16, 8, 4, 8, 4, "fp8")[0],
+    "decode attention planes": pa._gqa_kernels(64, 16, 8, 4, 8, 4, "bf16", 1)[0],
+    "decode attention planes x3": pa._gqa_kernels(64, 16, 8, 4, 8, 4, "bf16", 3)[0],
 }
 print(json.dumps({name: kernel_cache._stable(k) for name, k in kernels.items()}))
 """
