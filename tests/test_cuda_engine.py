@@ -75,7 +75,8 @@ def test_decode_writes_the_o_projections_and_lm_heads_planes_in_the_simulator(ti
         decode_attention(*args, planes=planes, **kwargs)
 
     monkeypatch.setattr(attention_policy, "decode_attention", recorded)
-    prompts = [[256, 1, 2, 3, 4, 5], [256, 40, 41]]
+    # 20 prompt tokens: the prefill's O GEMM has more rows than gemv_tc takes (it is the decode steps' that matter)
+    prompts = [[256] + list(range(1, 12)), [256] + list(range(40, 47))]
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     cpu = LLM(tiny_model_dir, backend="cpu", block_size=4, matmul_precision="bf16")
     gpu = LLM(tiny_model_dir, backend="cuda", block_size=4, max_num_seqs=2, num_kv_blocks=8,
