@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 29's next measurement in one GPU call (about 7 minutes with a carried kernel cache): gemm_tma for decode
-# batches (matmul_policy.TMA_DECODE_IN_ENGINE, off by default) against what the engine runs now.
+# gemm_tma for decode batches (matmul_policy.TMA_DECODE_IN_ENGINE, on by default) against gemm_wgmma's split K
+# (TINYVLLM_TMA_DECODE=0), in one GPU call (about 7 minutes with a carried kernel cache).
 #   1. gemm_tma's tests on the GPU (split K, the decode entry points) - the rest is skipped if they fail;
 #   2. the kernel benchmark: the engine's matmul against gemm_tma's decode tiles at 16-128 rows, weights cold;
 #   3. the decode step kernel by kernel (tools/profile_step.py at batch 1, 16, 64, 128, 256: the plain graph's
