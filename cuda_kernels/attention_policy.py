@@ -6,10 +6,10 @@ width, KV format), never of the context lengths, so a captured CUDA graph stays 
 
 Decode, paged_attention_gqa.paged_attention (decode_config gathers the three choices):
 - decode_warps_policy: warps per block, SMALL_GRID_WARPS when the grid has no more blocks than the GPU has
-  SMs, MAX_WARPS otherwise (both capped by what the kernel's shared memory holds, fast_warps).
+  SMs, LARGE_GRID_WARPS otherwise (both capped by what the kernel's shared memory holds, fast_warps).
 - decode_partitions: split-K or not; none while each warp walks at most SPLIT_ROUNDS KV blocks, else
   partitions of PARTITION_ROUNDS blocks per warp, as many as keep the grid at about TARGET_BLOCKS blocks.
-- decode_lanes_policy: lanes per key, 4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk
+- decode_lanes_policy: lanes per key, 4 for a grid of at most FOUR_LANES_MAX_BLOCKS blocks whose warps each walk
   LONG_WALK_ROUNDS KV blocks or more, DEFAULT_LANES_PER_KEY (8) otherwise.
 - decode_workspace_size: the split's workspace for every batch up to a size (the runner allocates it once).
 Prefill:
@@ -30,16 +30,20 @@ from cuda_kernels.primitives import SM_COUNT
 
 # Lanes sharing one key by default (decode_lanes_policy picks 4 for some shapes).
 DEFAULT_LANES_PER_KEY = 8
-# NOTE: 4 lanes per key won where the grid has at most TARGET_BLOCKS blocks and each warp walks at least
+# NOTE: 4 lanes per key won where the grid has at most FOUR_LANES_MAX_BLOCKS blocks and each warp walks at least
 # LONG_WALK_ROUNDS KV blocks (512 blocks are two full waves of 2 blocks per SM at 4 lanes, 1.3 waves of 3 at
 # 8); everywhere else 8 lanes tied or won. At head_dim 128, 4 lanes spill (docs/performance.md).
 LONG_WALK_ROUNDS = 16
 # NOTE: the reduce kernel and the partials cost about two rounds of a warp's walk, so a split pays only for
 # long contexts at small batches; a short context takes one pass of more warps (docs/performance.md).
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
+# Warps per block where the grid has more blocks than the GPU has SMs. NOTE: a kernel sweep found 2 faster than
+# this at every such shape it timed, but not yet the decode step (docs/performance.md, "decode attention").
+LARGE_GRID_WARPS = MAX_WARPS
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
 TARGET_BLOCKS = 512
+FOUR_LANES_MAX_BLOCKS = TARGET_BLOCKS
 # The SIMT flash prefill's warps per block, and the query rows per block it tries, most first. The simulator
 # runs one Python thread per CUDA thread and every warp reduction there is two block barriers: it gets smaller
 # blocks (same code path).
@@ -61,18 +65,18 @@ def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_k
     """Warps per block of the fast kernel: more for a grid that does not fill the SMs."""
     small = _grid_blocks(num_seqs, num_heads, num_kv_heads) <= SM_COUNT
     return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key,
-                      most=SMALL_GRID_WARPS if small else MAX_WARPS)
+                      most=SMALL_GRID_WARPS if small else LARGE_GRID_WARPS)
 
 
 def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:
     """Lanes per key of the fast kernel, from shapes only (max_blocks = block_tables.shape[1]):
-    4 for a grid of at most TARGET_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
+    4 for a grid of at most FOUR_LANES_MAX_BLOCKS blocks whose warps each walk LONG_WALK_ROUNDS KV blocks or more
     (long contexts at mid-size batches), 8 otherwise (see the NOTE at LONG_WALK_ROUNDS)."""
     warps = decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, DEFAULT_LANES_PER_KEY)
     parts, partition_blocks = decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps)
     blocks = parts * _grid_blocks(num_seqs, num_heads, num_kv_heads)
     long_walk = partition_blocks >= LONG_WALK_ROUNDS * warps
-    return 4 if head_dim <= 64 and blocks <= TARGET_BLOCKS and long_walk else DEFAULT_LANES_PER_KEY
+    return 4 if head_dim <= 64 and blocks <= FOUR_LANES_MAX_BLOCKS and long_walk else DEFAULT_LANES_PER_KEY
 
 
 def decode_partitions(num_seqs, num_heads, num_kv_heads, max_blocks, warps):

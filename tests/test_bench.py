@@ -405,6 +405,36 @@ def test_replayed_graph_is_the_last_decode_steps(bench, monkeypatch):
     assert CUDAGraph.replay is replay
 
 
+def test_profile_step_settings_hold_while_the_variant_records(bench):
+    """--set: each MODULE.NAME=VALUE of cuda_kernels is set while the variant's step is recorded (here the decode
+    attention's policy for batch 128 x a 32-block table: 2 warps, and 4 lanes per key with the grid of 1,024
+    blocks allowed), then restored, also when the recording fails; a name or value that cannot be set is refused
+    before anything runs. (The bench fixture puts tools/ on the path.)"""
+    import argparse
+
+    from cuda_kernels import attention_policy as ap
+    from tools import profile_step
+
+    settings = [profile_step.setting("attention_policy.LARGE_GRID_WARPS=2"),
+                profile_step.setting("attention_policy.FOUR_LANES_MAX_BLOCKS=1024")]
+    assert settings == [("attention_policy", "LARGE_GRID_WARPS", 2), ("attention_policy", "FOUR_LANES_MAX_BLOCKS", 1024)]
+    label, wrap = profile_step.settings_variant(settings)
+    assert label == "attention_policy.LARGE_GRID_WARPS=2; attention_policy.FOUR_LANES_MAX_BLOCKS=1024"
+    before = ap.LARGE_GRID_WARPS, ap.FOUR_LANES_MAX_BLOCKS, ap.decode_config(128, 32, 8, 64, 32)
+    assert before[2][0] == 8   # the default: 8 lanes for a grid of 1,024 blocks
+    seen = []
+    wrap(lambda: seen.append(ap.decode_config(128, 32, 8, 64, 32)))
+    assert seen == [(4, 2, 32)]
+    assert (ap.LARGE_GRID_WARPS, ap.FOUR_LANES_MAX_BLOCKS, ap.decode_config(128, 32, 8, 64, 32)) == before
+    with pytest.raises(ZeroDivisionError):
+        wrap(lambda: 1 / 0)
+    assert (ap.LARGE_GRID_WARPS, ap.FOUR_LANES_MAX_BLOCKS) == before[:2]
+    for text, message in [("attention_policy.NOPE=2", "has no 'NOPE'"), ("nomodule.X=1", "no module cuda_kernels.nomodule"),
+                          ("attention_policy.LARGE_GRID_WARPS=two", "'two' is not a Python literal")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            profile_step.setting(text)
+
+
 def test_stall_phases_cover_the_sizes_ends_and_both_samplings(bench):
     s = bench.Sizes()
     phases = bench.stall_phases(s, 0, 10000)

@@ -2,7 +2,7 @@
 
     python3 tools/profile_step.py [--batch 1,16,64] [--context 256] [--matmul-precision auto] [--json out.json]
                                   [--ablate] [--gemv N,K=WARPS,ROWS,UNROLL,SPLIT[,PIPELINED] ...]
-                                  [--gemv N,K=staged,ROWS,WARPS ...]
+                                  [--gemv N,K=staged,ROWS,WARPS ...] [--set MODULE.NAME=VALUE ...]
 
 For each batch size: a Llama-3.2-1B-shaped random model (or --model) serves `batch` requests with a
 `context`-token prompt until they decode; then the decode step the engine replays is captured again with a
@@ -21,12 +21,18 @@ it against the default choice: the way to tune gemv_config under PDL, where a ke
 producer. One --gemv option is one variant and may name several shapes
 (`--gemv 3072,2048=8,4,4,4 2048,2048=8,4,4,4`); repeat the option for more variants. `N,K=staged,ROWS,WARPS`
 names a gemv.GemvStaged configuration (whole rows staged in shared memory).
+--set does the same for any policy constant of cuda_kernels, set while the variant's graph is captured: one
+option is one variant (`--set attention_policy.LARGE_GRID_WARPS=2 attention_policy.FOUR_LANES_MAX_BLOCKS=1024`);
+repeat it for more. A setting that needs a larger workspace than the engine allocated for its default policies
+fails with the launcher's error.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
+import importlib
 import json
 import sys
 import tempfile
@@ -112,6 +118,21 @@ def skipped_launches(record, names):
 
     with Launches(launch_unless_named):
         record()
+
+
+def with_settings(record, settings):
+    """Run record() with each cuda_kernels.<module>.<name> of settings ((module, name, value), as `setting`
+    parses them) set to its value, and the old values back afterwards."""
+    saved = []
+    try:
+        for module, name, value in settings:
+            mod = importlib.import_module(f"cuda_kernels.{module}")
+            saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, value)
+        record()
+    finally:
+        for mod, name, old in reversed(saved):
+            setattr(mod, name, old)
 
 
 def with_gemv_configs(record, overrides: dict):
@@ -200,7 +221,10 @@ def step_times(model_dir: Path, batches: list[int], context: int, precision: str
 
 
 def profile(model_dir: Path, batch: int, context: int, precision: str, ablate: bool = False,
-            gemv_variants: tuple = ()) -> dict:
+            variants: tuple = ()) -> dict:
+    """The step's kernels timed between events; with ablate each kernel function's marginal cost; variants:
+    (label, wrap) pairs, each timed as the plain graph captured again with wrap(record) (gemv_variant,
+    settings_variant) next to the default's time."""
     from tinyvllm.cuda_graph import CUDAGraph
 
     engine = decoding_engine(model_dir, batch, context, precision)
@@ -251,13 +275,12 @@ def profile(model_dir: Path, batch: int, context: int, precision: str, ablate: b
                                "saved_s": plain_s - variant_time(partial(skipped_launches, names={name}))}
                               for name in names]
         result["ablation"].sort(key=lambda row: -row["saved_s"])
-    if gemv_variants:
-        result["gemv_variants"] = []
-        for overrides in gemv_variants:
+    if variants:
+        result["variants"] = []
+        for label, wrap in variants:
             # the default's time again next to each variant: replays drift by a few tenths of a percent
-            base, varied = graph_time(plain, stream), variant_time(partial(with_gemv_configs, overrides=overrides))
-            result["gemv_variants"].append({"configs": {f"{n},{k}": list(c) for (n, k), c in overrides.items()},
-                                            "default_s": base, "variant_s": varied})
+            base, varied = graph_time(plain, stream), variant_time(wrap)
+            result["variants"].append({"variant": label, "default_s": base, "variant_s": varied})
     return result
 
 
@@ -273,13 +296,41 @@ def table(result: dict) -> str:
         lines += ["", "| kernel left out | launches | us the step saves | per launch |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {r['kernel']} | {r['launches']} | {r['saved_s'] * 1e6:,.1f} | "
                   f"{r['saved_s'] * 1e6 / max(1, r['launches']):.2f} |" for r in result["ablation"]]
-    if "gemv_variants" in result:
-        lines += ["", "| gemv configs (N,K: warps, rows, unroll, split) | default us | variant us | ratio |",
-                  "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {'; '.join(f'{s}: {tuple(c)}' for s, c in v['configs'].items())} | "
-                  f"{v['default_s'] * 1e6:,.1f} | {v['variant_s'] * 1e6:,.1f} | "
-                  f"{v['variant_s'] / v['default_s']:.3f} |" for v in result["gemv_variants"]]
+    if "variants" in result:
+        lines += ["", "| variant | default us | variant us | ratio |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {v['variant']} | {v['default_s'] * 1e6:,.1f} | {v['variant_s'] * 1e6:,.1f} | "
+                  f"{v['variant_s'] / v['default_s']:.3f} |" for v in result["variants"]]
     return "\n".join(lines)
+
+
+def gemv_variant(overrides: dict) -> tuple:
+    """(label, wrap) of a --gemv variant: gemv's configuration for each (N, K) of overrides (warps, rows, unroll,
+    split[, pipelined], or a GemvStaged)."""
+    label = "gemv " + "; ".join(f"{n},{k}: {tuple(c)}" for (n, k), c in overrides.items())
+    return label, partial(with_gemv_configs, overrides=overrides)
+
+
+def setting(text: str) -> tuple:
+    """'MODULE.NAME=VALUE' -> (MODULE, NAME, value): a constant of cuda_kernels.MODULE (it must exist) and a
+    Python literal for it, e.g. attention_policy.LARGE_GRID_WARPS=2."""
+    target, _, value = text.partition("=")
+    module, _, name = target.rpartition(".")
+    try:
+        mod = importlib.import_module(f"cuda_kernels.{module}")
+    except ImportError:
+        raise argparse.ArgumentTypeError(f"{text!r}: no module cuda_kernels.{module}") from None
+    if not name or not hasattr(mod, name):
+        raise argparse.ArgumentTypeError(f"{text!r}: cuda_kernels.{module} has no {name!r}")
+    try:
+        return module, name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a Python literal") from None
+
+
+def settings_variant(settings) -> tuple:
+    """(label, wrap) of a --set variant: the step with every setting of `settings` (as `setting` parses them)."""
+    label = "; ".join(f"{module}.{name}={value!r}" for module, name, value in settings)
+    return label, partial(with_settings, settings=tuple(settings))
 
 
 def gemv_override(text: str) -> tuple:
@@ -306,8 +357,11 @@ def main() -> int:
     p.add_argument("--ablate", action="store_true", help="time the step without each kernel function in turn")
     p.add_argument("--gemv", type=gemv_override, action="append", nargs="+", default=[], metavar="N,K=W,R,U,S[,P]|N,K=staged,R,W",
                    help="one variant of gemv configurations per option (repeatable)")
+    p.add_argument("--set", type=setting, action="append", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
+                   help="one variant per option: the step with these cuda_kernels constants set, e.g. "
+                        "attention_policy.LARGE_GRID_WARPS=2 (repeatable)")
     args = p.parse_args()
-    variants = tuple(dict(v) for v in args.gemv)
+    variants = tuple(gemv_variant(dict(v)) for v in args.gemv) + tuple(settings_variant(v) for v in args.set)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
