@@ -54,7 +54,8 @@ reads K/V once for all G heads.
     merge : every (warp, slot) writes its states to shared memory; one weight exp(m - M) per state, then
             thread t sums output (head, dim) pairs t, t + 32 WARPS, ... over the states. With P > 1 each
             block writes its partition's partial (max, sum, acc) instead, and
-            paged_attention.paged_attention_reduce merges the partitions.
+            paged_attention.paged_attention_reduce merges the partitions. Given a planes workspace, the
+            kernel that writes out writes its bf16 planes too, for the O projection (cuda_kernels/planes.py).
 Per key (G = 4, d = 64, L = 8), each of its 8 lanes: 4 64-bit loads, 16 bf16 unpacks, 32 + 32 FMA (scores,
 P V), 12 shuffles and adds, 4 exp2 (one MUFU op each: scores are kept in log2 units): about 130 lane
 instructions, so ~33 warp instructions per key for all 4 heads and 256 bytes of K/V read once; v1 spends
