@@ -6,7 +6,8 @@ width, KV format), never of the context lengths, so a captured CUDA graph stays 
 
 Decode, paged_attention_gqa.paged_attention (decode_config gathers the three choices):
 - decode_warps_policy: warps per block, SMALL_GRID_WARPS when the grid has no more blocks than the GPU has
-  SMs, LARGE_GRID_WARPS otherwise (both capped by what the kernel's shared memory holds, fast_warps).
+  SMs, LARGE_GRID_WARPS from LARGE_GRID_MIN_BLOCKS blocks, MID_GRID_WARPS between (all capped by what the
+  kernel's shared memory holds, fast_warps).
 - decode_partitions: split-K or not; none while each warp walks at most SPLIT_ROUNDS KV blocks, else
   partitions of PARTITION_ROUNDS blocks per warp, as many as keep the grid at about TARGET_BLOCKS blocks.
 - decode_lanes_policy: lanes per key, 4 for a grid of at most FOUR_LANES_MAX_BLOCKS blocks whose warps each walk
@@ -37,13 +38,18 @@ LONG_WALK_ROUNDS = 16
 # NOTE: the reduce kernel and the partials cost about two rounds of a warp's walk, so a split pays only for
 # long contexts at small batches; a short context takes one pass of more warps (docs/performance.md).
 SMALL_GRID_WARPS = MAX_WARPS if SIMULATOR else 8
-# Warps per block where the grid has more blocks than the GPU has SMs. NOTE: a kernel sweep found 2 faster than
-# this at every such shape it timed, but not yet the decode step (docs/performance.md, "decode attention").
-LARGE_GRID_WARPS = MAX_WARPS
 SPLIT_ROUNDS = 4
 PARTITION_ROUNDS = 2
 TARGET_BLOCKS = 512
-FOUR_LANES_MAX_BLOCKS = TARGET_BLOCKS
+# Warps per block where the grid has more blocks than the GPU has SMs: MID_GRID_WARPS up to LARGE_GRID_MIN_BLOCKS
+# blocks, LARGE_GRID_WARPS from there. NOTE: a kernel sweep found 2 warps faster than 4 at every such shape it
+# timed; inside the decode step (context 256) 2 warps took batch 64, 128 and 256 (512 blocks and more) 2% below 4,
+# and batch 32 (256 blocks) 9% above (docs/performance.md, "decode attention").
+MID_GRID_WARPS = MAX_WARPS
+LARGE_GRID_WARPS = 2
+LARGE_GRID_MIN_BLOCKS = TARGET_BLOCKS
+# NOTE: 1,024, not TARGET_BLOCKS: with 2 warps, 4 lanes also won at batch 128 (the same step, 1,024 blocks).
+FOUR_LANES_MAX_BLOCKS = 2 * TARGET_BLOCKS
 # The SIMT flash prefill's warps per block, and the query rows per block it tries, most first. The simulator
 # runs one Python thread per CUDA thread and every warp reduction there is two block barriers: it gets smaller
 # blocks (same code path).
@@ -62,10 +68,11 @@ def _grid_blocks(num_seqs, num_heads, num_kv_heads):
 
 
 def decode_warps_policy(num_seqs, num_heads, num_kv_heads, head_dim, lanes_per_key=DEFAULT_LANES_PER_KEY) -> int:
-    """Warps per block of the fast kernel: more for a grid that does not fill the SMs."""
-    small = _grid_blocks(num_seqs, num_heads, num_kv_heads) <= SM_COUNT
-    return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key,
-                      most=SMALL_GRID_WARPS if small else LARGE_GRID_WARPS)
+    """Warps per block of the fast kernel: more for a grid that does not fill the SMs, fewer for a large one."""
+    blocks = _grid_blocks(num_seqs, num_heads, num_kv_heads)
+    most = (SMALL_GRID_WARPS if blocks <= SM_COUNT
+            else LARGE_GRID_WARPS if blocks >= LARGE_GRID_MIN_BLOCKS else MID_GRID_WARPS)
+    return fast_warps(head_dim, num_heads // num_kv_heads, lanes_per_key, most=most)
 
 
 def decode_lanes_policy(num_seqs, num_heads, num_kv_heads, head_dim, max_blocks) -> int:

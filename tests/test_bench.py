@@ -407,24 +407,24 @@ def test_replayed_graph_is_the_last_decode_steps(bench, monkeypatch):
 
 def test_profile_step_settings_hold_while_the_variant_records(bench):
     """--set: each MODULE.NAME=VALUE of cuda_kernels is set while the variant's step is recorded (here the decode
-    attention's policy for batch 128 x a 32-block table: 2 warps, and 4 lanes per key with the grid of 1,024
-    blocks allowed), then restored, also when the recording fails; a name or value that cannot be set is refused
-    before anything runs. (The bench fixture puts tools/ on the path.)"""
+    attention's policy for batch 128 x a 32-block table as it was before 2 warps for large grids: 4 warps, and 8
+    lanes per key with 4 lanes allowed up to 512 blocks only), then restored, also when the recording fails; a
+    name or value that cannot be set is refused before anything runs. (The bench fixture puts tools/ on the path.)"""
     import argparse
 
     from cuda_kernels import attention_policy as ap
     from tools import profile_step
 
-    settings = [profile_step.setting("attention_policy.LARGE_GRID_WARPS=2"),
-                profile_step.setting("attention_policy.FOUR_LANES_MAX_BLOCKS=1024")]
-    assert settings == [("attention_policy", "LARGE_GRID_WARPS", 2), ("attention_policy", "FOUR_LANES_MAX_BLOCKS", 1024)]
+    settings = [profile_step.setting("attention_policy.LARGE_GRID_WARPS=4"),
+                profile_step.setting("attention_policy.FOUR_LANES_MAX_BLOCKS=512")]
+    assert settings == [("attention_policy", "LARGE_GRID_WARPS", 4), ("attention_policy", "FOUR_LANES_MAX_BLOCKS", 512)]
     label, wrap = profile_step.settings_variant(settings)
-    assert label == "attention_policy.LARGE_GRID_WARPS=2; attention_policy.FOUR_LANES_MAX_BLOCKS=1024"
+    assert label == "attention_policy.LARGE_GRID_WARPS=4; attention_policy.FOUR_LANES_MAX_BLOCKS=512"
     before = ap.LARGE_GRID_WARPS, ap.FOUR_LANES_MAX_BLOCKS, ap.decode_config(128, 32, 8, 64, 32)
-    assert before[2][0] == 8   # the default: 8 lanes for a grid of 1,024 blocks
+    assert before[2] == (4, 2, 32)   # the default: 4 lanes and 2 warps for a grid of 1,024 blocks
     seen = []
     wrap(lambda: seen.append(ap.decode_config(128, 32, 8, 64, 32)))
-    assert seen == [(4, 2, 32)]
+    assert seen == [(8, 4, 32)]
     assert (ap.LARGE_GRID_WARPS, ap.FOUR_LANES_MAX_BLOCKS, ap.decode_config(128, 32, 8, 64, 32)) == before
     with pytest.raises(ZeroDivisionError):
         wrap(lambda: 1 / 0)

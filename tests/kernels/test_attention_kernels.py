@@ -361,10 +361,13 @@ def test_decode_policy_depends_on_shapes_only():
     """The warps and split policy: from (batch, heads, head_dim, table width) alone."""
     pa = attention_policy
     small, big = pa.SMALL_GRID_WARPS, pa.MAX_WARPS
-    # Llama-3.2-1B heads (8 blocks per sequence): more warps while the grid does not fill the SMs
+    # Llama-3.2-1B heads (8 blocks per sequence): more warps while the grid does not fill the SMs, fewer from
+    # LARGE_GRID_MIN_BLOCKS blocks
     assert pa.decode_warps_policy(1, 32, 8, 64) == small
     assert pa.decode_warps_policy(pa.SM_COUNT // 8, 32, 8, 64) == small
-    assert pa.decode_warps_policy(pa.SM_COUNT // 8 + 1, 32, 8, 64) == big
+    assert pa.decode_warps_policy(pa.SM_COUNT // 8 + 1, 32, 8, 64) == big == pa.MID_GRID_WARPS
+    assert pa.decode_warps_policy(pa.LARGE_GRID_MIN_BLOCKS // 8 - 1, 32, 8, 64) == pa.MID_GRID_WARPS
+    assert pa.decode_warps_policy(pa.LARGE_GRID_MIN_BLOCKS // 8, 32, 8, 64) == pa.LARGE_GRID_WARPS == 2
     # no split while a warp walks at most SPLIT_ROUNDS KV blocks
     assert pa.decode_partitions(1, 32, 8, pa.SPLIT_ROUNDS * small, small) == (1, pa.SPLIT_ROUNDS * small)
     # batch 1, 128-block tables: partitions of PARTITION_ROUNDS blocks per warp
@@ -387,16 +390,17 @@ def test_decode_policy_depends_on_shapes_only():
 
 
 def test_decode_lanes_policy():
-    """4 lanes per key only for a grid of at most TARGET_BLOCKS blocks whose warps walk long (the measured
-    cases of the NOTE at LONG_WALK_ROUNDS), 8 elsewhere; from shapes only."""
+    """4 lanes per key only for a grid of at most FOUR_LANES_MAX_BLOCKS blocks whose warps walk long (the measured
+    cases of the NOTEs at LONG_WALK_ROUNDS and FOUR_LANES_MAX_BLOCKS), 8 elsewhere; from shapes only."""
     pa = attention_policy
     assert pa.decode_lanes_policy(64, 32, 8, 64, 256) == 4     # batch 64 x 4,096 keys in 16-token blocks
     assert pa.decode_lanes_policy(32, 32, 8, 64, 256) == 4     # two partitions of 128 blocks: 512 blocks
-    # the boundary: each warp walks LONG_WALK_ROUNDS blocks (batch 64 x 1,024 keys on the GPU's 4 warps)
+    # the boundary: each warp walks LONG_WALK_ROUNDS blocks (batch 64 x 512 keys on the large grid's 2 warps)
     walk = pa.LONG_WALK_ROUNDS * pa.decode_warps_policy(64, 32, 8, 64, 8)
     assert pa.decode_lanes_policy(64, 32, 8, 64, walk) == 4
     assert pa.decode_lanes_policy(64, 32, 8, 64, walk - 1) == 8
-    assert pa.decode_lanes_policy(128, 32, 8, 64, 128) == 8    # 1,024 blocks
+    assert pa.decode_lanes_policy(128, 32, 8, 64, 128) == 4    # 1,024 blocks
+    assert pa.decode_lanes_policy(256, 32, 8, 64, 128) == 8    # 2,048 blocks
     assert pa.decode_lanes_policy(256, 32, 8, 64, 32) == 8
     assert pa.decode_lanes_policy(1, 32, 8, 64, 256) == 8      # batch 1: split into short partitions
     assert pa.decode_lanes_policy(64, 32, 8, 128, 256) == 8    # head_dim 128 would spill at 4 lanes
