@@ -166,6 +166,18 @@ TMA_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA", "1") == "1"
 # TINYVLLM_TMA_DECODE=0 turns it off (gemm_wgmma's split plans then).
 TMA_DECODE_TILES = {64: TmaTile(64, 128, 8), WGMMA_MIN_M - 1: TmaTile(128, 128, 6)}
 TMA_DECODE_IN_ENGINE = TMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA_DECODE", "1") == "1"
+# With TMA_DECODE_IN_ENGINE the split plans take every weight from this many rows (wgmma_split_min_m). NOTE: from
+# 17 rows (one more than a warm-up class boundary) the decode step at batch 32 / 64 was 8% / 4% faster than with
+# QKV and O on gemm_pipelined's skinny plan below 65 rows and every weight below 33 (docs/performance.md,
+# "gemm_tma"); gemm_wgmma's split plans had lost there.
+TMA_DECODE_MIN_M = 17
+# gemm_tma's K splits by the rows of TMA_DECODE_TILES (the same keys): (the blocks a split plan aims at, the
+# fewest slabs a split takes) for tma_plan. NOTE: for the 64-row tile, half gemm_wgmma's block target and twice
+# its shortest split (the 1B model at 17-64 rows: QKV and O in 2 splits, down in 4, not 4 and 8) took the decode
+# step at batch 32 / 64 2.6% / 6.5% lower (docs/performance.md, "gemm_tma"): the last block of a tile adds every
+# split's partials alone, so each split costs the tile's tail more than its blocks gain in weight bandwidth.
+# The 128-row tile keeps gemm_wgmma's rule: the same change held batch 128 (+0.5%) and was not timed at 256.
+TMA_DECODE_SPLITS = {64: (SM_COUNT // 2, 16), WGMMA_MIN_M - 1: (SM_COUNT, WGMMA_MIN_SPLIT_SLABS)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -265,8 +277,11 @@ def wgmma_plan(m: int, n: int, k: int, bf16_inputs: bool, split_workspace=None) 
 
 
 def wgmma_split_min_m(n: int, k: int) -> int:
-    """The fewest rows of x (m, k) @ W (n, k)^T that gemm_wgmma's split plan takes: WGMMA_WIDE_SPLIT_MIN_M for
-    weights of WGMMA_WIDE_WEIGHT elements or more, else WGMMA_SPLIT_MIN_M."""
+    """The fewest rows of x (m, k) @ W (n, k)^T that the warpgroup split plans take: TMA_DECODE_MIN_M where they run
+    on gemm_tma (TMA_DECODE_IN_ENGINE); on gemm_wgmma WGMMA_WIDE_SPLIT_MIN_M for weights of WGMMA_WIDE_WEIGHT
+    elements or more, else WGMMA_SPLIT_MIN_M."""
+    if TMA_DECODE_IN_ENGINE:
+        return TMA_DECODE_MIN_M
     return WGMMA_WIDE_SPLIT_MIN_M if n * k >= WGMMA_WIDE_WEIGHT else WGMMA_SPLIT_MIN_M
 
 
@@ -351,10 +366,10 @@ def skinny_plan(m: int, n: int, k: int, bf16_inputs: bool, gated: bool = False,
     return tile, split_count(gemm_pipelined.split_counters_size(tile, m, n, gated), -(-k // tile.bk))
 
 
-def split_count(tiles: int, slabs: int, min_slabs: int = MIN_SPLIT_SLABS) -> int:
-    """K splits for a grid of `tiles` output tiles over `slabs` K slabs: about one block per SM, round(SM_COUNT /
-    tiles), at least 1, each split at least min_slabs slabs long, none empty."""
-    splits = max(1, min(round(SM_COUNT / tiles), slabs // min_slabs))
+def split_count(tiles: int, slabs: int, min_slabs: int = MIN_SPLIT_SLABS, blocks: int = SM_COUNT) -> int:
+    """K splits for a grid of `tiles` output tiles over `slabs` K slabs: about `blocks` blocks (one per SM by
+    default), round(blocks / tiles), at least 1, each split at least min_slabs slabs long, none empty."""
+    splits = max(1, min(round(blocks / tiles), slabs // min_slabs))
     while (splits - 1) * -(-slabs // splits) >= slabs:   # no empty split
         splits -= 1
     return splits
@@ -397,12 +412,14 @@ def uses_tma(m: int) -> bool:
 
 def tma_plan(m: int, n: int, k: int) -> tuple[TmaTile, int]:
     """(tile, splits) of gemm_tma for x (m, k) @ W (n, k)^T: tma_tile(m, n) over the whole K from WGMMA_MIN_M
-    rows; below, the first of TMA_DECODE_TILES whose rows cover m with K split as gemm_wgmma's split plans are
-    (split_count: about one block per SM, splits of WGMMA_MIN_SPLIT_SLABS slabs or more). n: the weight's rows."""
+    rows; below, the first of TMA_DECODE_TILES whose rows cover m with K split as TMA_DECODE_SPLITS says for those
+    rows (split_count: about that many blocks, splits of at least that many slabs). n: the weight's rows."""
     if m >= WGMMA_MIN_M:
         return tma_tile(m, n), 1
-    tile = next(t for rows, t in TMA_DECODE_TILES.items() if m <= rows)
-    return tile, split_count(gemm_tma.tiles(tile, m, n), -(-k // wgmma.TILE_K), WGMMA_MIN_SPLIT_SLABS)
+    rows = next(r for r in TMA_DECODE_TILES if m <= r)
+    blocks, min_slabs = TMA_DECODE_SPLITS[rows]
+    return TMA_DECODE_TILES[rows], split_count(gemm_tma.tiles(TMA_DECODE_TILES[rows], m, n), -(-k // wgmma.TILE_K),
+                                               min_slabs, blocks)
 
 
 def tma_tile(m: int, n: int) -> TmaTile:

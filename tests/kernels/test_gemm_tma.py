@@ -121,7 +121,7 @@ def test_gemm_tma_split_k(tile, epilogue, seed, m, n, slabs, data):
 
 def test_tma_plans():
     """matmul_policy.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes the first decode tile
-    whose rows cover M, with splits for about a block per SM and none empty or short, which
+    whose rows cover M, with splits as TMA_DECODE_SPLITS says for its rows and none empty or short, which
     split_workspace_sizes covers for the 1B model's weights."""
     partials, counters = mp.split_workspace_sizes(LLAMA_1B_MATMULS, True)
     assert mp.tma_plan(1024, 16384, 2048) == (mp.tma_tile(1024, 16384), 1) == (gt.TmaTile(256, 128, 4), 1)
@@ -132,11 +132,13 @@ def test_tma_plans():
             assert tile == mp.TMA_DECODE_TILES[min(r for r in mp.TMA_DECODE_TILES if r >= m)]
             slabs, tiles = -(-k // 64), gt.tiles(tile, m, n)
             assert splits in valid_splits(slabs)
-            assert splits == 1 or slabs // splits >= mp.WGMMA_MIN_SPLIT_SLABS
-            assert splits == 1 or tiles * (splits - 0.5) <= mp.SM_COUNT
+            blocks, min_slabs = mp.TMA_DECODE_SPLITS[min(r for r in mp.TMA_DECODE_TILES if r >= m)]
+            assert splits == 1 or slabs // splits >= min_slabs
+            assert splits == 1 or tiles * (splits - 0.5) <= blocks
             assert splits == 1 or (gt.split_partials_size(tile, m, n, splits) <= partials and tiles <= counters)
-    assert mp.tma_plan(64, 2048, 8192) == (gt.TmaTile(64, 128, 8), 8)     # down: 16 tiles x 8 splits
+    assert mp.tma_plan(64, 2048, 8192) == (gt.TmaTile(64, 128, 8), 4)     # down: 16 tiles x 4 splits of 32 slabs
     assert mp.tma_plan(128, 3072, 2048) == (gt.TmaTile(128, 128, 6), 4)   # QKV: 24 tiles x 4 splits of 8 slabs
+    assert mp.tma_plan(17, 2048, 2048) == (gt.TmaTile(64, 128, 8), 2)     # O from TMA_DECODE_MIN_M rows
     assert mp.tma_plan(256, 16384, 2048) == (gt.TmaTile(128, 128, 6), 1)  # gate/up: 256 tiles, no split
 
 
@@ -149,7 +151,7 @@ def test_entry_points_take_the_tma_decode_plan(monkeypatch):
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     if SIM:   # one block tile of rows (a simulated block costs seconds)
         monkeypatch.setattr(mp, "TMA_DECODE_TILES", {mp.WGMMA_MIN_M - 1: gt.SIM_TILE})
-        monkeypatch.setattr(mp, "WGMMA_SPLIT_MIN_M", 9)
+        monkeypatch.setattr(mp, "TMA_DECODE_MIN_M", 9)
     m, n, f, k, calls = check_split_entry_points(monkeypatch, gt, "gemm_tma", with_mlp=False)
     plans = [mp.tma_plan(m, n, k)[1], mp.tma_plan(m, 2 * f, k)[1]]
     assert calls == plans and min(plans) > 1

@@ -225,11 +225,13 @@ def test_wgmma_tile_policy():
     assert not mp.wgmma_plan(1024, 2048, 2048, False)
 
 
-def test_wgmma_split_plans():
+def test_wgmma_split_plans(monkeypatch):
     """wgmma_split_plan: the first tile whose rows cover M, splits for about a block per SM without an empty or
     short split (none where the tiles fill the SMs); split_workspace_sizes covers every plan of the engine's
-    weights; the first split rows are one past class boundaries of the warm-up (every class one kernel); wide
-    weights (gate/up, down, the LM head) from fewer rows than the rest."""
+    weights; the first split rows are one past class boundaries of the warm-up (every class one kernel); on
+    gemm_wgmma wide weights (gate/up, down, the LM head) from fewer rows than the rest, on gemm_tma every weight
+    from TMA_DECODE_MIN_M rows."""
+    monkeypatch.setattr(mp, "TMA_DECODE_IN_ENGINE", False)
     partials, counters = mp.split_workspace_sizes(LLAMA_1B_MATMULS, True)
     for n, k, _ in LLAMA_1B_MATMULS:
         for m in range(mp.wgmma_split_min_m(n, k), mp.WGMMA_MIN_M):
@@ -244,6 +246,9 @@ def test_wgmma_split_plans():
     for m in (mp.WGMMA_SPLIT_MIN_M - 1, mp.WGMMA_WIDE_SPLIT_MIN_M - 1):
         assert m in (8, 16, 32, 64, 128) or m % 64 == 0
     assert [mp.wgmma_split_min_m(n, k) for n, k, _ in LLAMA_1B_MATMULS] == [65, 65, 33, 33, 33]
+    monkeypatch.setattr(mp, "TMA_DECODE_IN_ENGINE", True)
+    assert [mp.wgmma_split_min_m(n, k) for n, k, _ in LLAMA_1B_MATMULS] == [17] * 5
+    assert mp.TMA_DECODE_MIN_M - 1 in (8, 16, 32, 64, 128)
     assert mp.wgmma_split_plan(128, 2048, 2048) == (mp.WGMMA_TILE, 4)   # O: 16 tiles, 32 slabs in splits of 8
     assert mp.wgmma_split_plan(64, 16384, 2048) == (mp.WGMMA_TILE, 1)   # gate/up: 128 tiles, no split
     assert mp.wgmma_split_plan(64, 128256, 2048) == (mp.WGMMA_SPLIT_TILES[64], 1)   # LM head: 1,002 tiles
@@ -258,6 +263,8 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
     within the same bounds, the counters zero afterwards."""
     monkeypatch.setattr(mp, "WGMMA_IN_ENGINE", True)
     monkeypatch.setattr(mp, "WGMMA_SPLIT_IN_ENGINE", True)
+    monkeypatch.setattr(mp, "TMA_IN_ENGINE", False)   # (on a GPU gemm_tma would take these plans)
+    monkeypatch.setattr(mp, "TMA_DECODE_IN_ENGINE", False)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     if SIM:   # one block tile of rows (a simulated block costs seconds)
         monkeypatch.setattr(mp, "WGMMA_SPLIT_TILES", {mp.WGMMA_MIN_M - 1: gw.SIM_TILE})
@@ -268,16 +275,18 @@ def test_entry_points_take_the_wgmma_split_plan(monkeypatch):
 
 
 def check_split_entry_points(monkeypatch, module, name: str, with_mlp: bool):
-    """matmul and gated_matmul (and with_mlp mlp) of WGMMA_SPLIT_MIN_M rows given workspaces of
-    split_workspace_sizes, K = 8 slabs split in two (WGMMA_MIN_SPLIT_SLABS set to 4: the engine's 8-slab minimum
-    would need K = 1,024, twice the simulated work): each result within the summation bounds, the split counters
-    zero afterwards. The launches of module.name (gemm_wgmma or gemm_tma) are recorded. Returns (m, n, f, k, the
-    splits of each recorded launch)."""
+    """matmul and gated_matmul (and with_mlp mlp) of wgmma_split_min_m rows given workspaces of
+    split_workspace_sizes, K = 8 slabs split in two (WGMMA_MIN_SPLIT_SLABS and TMA_DECODE_SPLITS' slabs set to 4:
+    the engine's minimums would need K = 1,024 or more, twice the simulated work): each result within the
+    summation bounds, the split counters zero afterwards. The launches of module.name (gemm_wgmma or gemm_tma)
+    are recorded. Returns (m, n, f, k, the splits of each recorded launch)."""
     calls = []
     kernel = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(kw["splits"]) or kernel(*a, **kw))
     monkeypatch.setattr(mp, "WGMMA_MIN_SPLIT_SLABS", 4)
-    m, n, f, k = mp.WGMMA_SPLIT_MIN_M, 16, 8, 512
+    monkeypatch.setattr(mp, "TMA_DECODE_SPLITS", {rows: (mp.SM_COUNT, 4) for rows in mp.TMA_DECODE_TILES})
+    n, f, k = 16, 8, 512
+    m = mp.wgmma_split_min_m(n, k)   # the fewest rows the split plans in force take
     x, w = make_inputs(1, m, n, k)
     ws = device_empty(m * max(k, f), np.uint16)
     sizes_ = mp.split_workspace_sizes([(n, k, False), (2 * f, k, True), (k, f, False)], True)
@@ -308,6 +317,7 @@ def test_entry_points_take_gemm_wgmma(monkeypatch):
     calls = []
     kernel = gw.gemm_wgmma
     monkeypatch.setattr(mp, "WGMMA_IN_ENGINE", True)
+    monkeypatch.setattr(mp, "TMA_IN_ENGINE", False)   # (on a GPU gemm_tma would take these rows)
     monkeypatch.setattr(wgmma, "device_has_wgmma", lambda: True)
     monkeypatch.setattr(mp, "wgmma_tile", lambda m, n: gw.SIM_TILE if SIM else mp.WGMMA_TILE)
     monkeypatch.setattr(gw, "gemm_wgmma", lambda *a, **k: calls.append(a[1]) or kernel(*a, **k))
