@@ -22,7 +22,7 @@ producer. One --gemv option is one variant and may name several shapes
 (`--gemv 3072,2048=8,4,4,4 2048,2048=8,4,4,4`); repeat the option for more variants. `N,K=staged,ROWS,WARPS`
 names a gemv.GemvStaged configuration (whole rows staged in shared memory).
 --set does the same for any policy constant of cuda_kernels, set while the variant's graph is captured: one
-option is one variant (`--set attention_policy.LARGE_GRID_WARPS=2 attention_policy.FOUR_LANES_MAX_BLOCKS=1024`);
+option is one variant (`--set attention_policy.LARGE_GRID_WARPS=4 attention_policy.FOUR_LANES_MAX_BLOCKS=512`);
 repeat it for more. A setting that needs a larger workspace than the engine allocated for its default policies
 fails with the launcher's error.
 """
