@@ -160,8 +160,8 @@ WGMMA_SPLIT_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_WGMMA_SPLIT
 TMA_TILES = (TmaTile(256, 128, 4), TmaTile(128, 128, 6), TmaTile(64, 128, 8))
 TMA_MIN_BLOCKS = 96
 TMA_IN_ENGINE = WGMMA_IN_ENGINE and os.environ.get("TINYVLLM_TMA", "1") == "1"
-# gemm_tma for decode batches too, where gemm_wgmma's split plans run (wgmma_plan below WGMMA_MIN_M rows): the
-# first of TMA_DECODE_TILES whose rows cover M, K split for about one block per SM (tma_plan). NOTE: it took the
+# gemm_tma for decode batches too, where the warpgroup split plans run (wgmma_plan below WGMMA_MIN_M rows): the
+# first of TMA_DECODE_TILES whose rows cover M, K split as TMA_DECODE_SPLITS says (tma_plan). NOTE: it took the
 # decode step at batch 64 / 128 / 256 5%, 5% and 2% below gemm_wgmma's split K (docs/performance.md, "gemm_tma");
 # TINYVLLM_TMA_DECODE=0 turns it off (gemm_wgmma's split plans then).
 TMA_DECODE_TILES = {64: TmaTile(64, 128, 8), WGMMA_MIN_M - 1: TmaTile(128, 128, 6)}
