@@ -538,6 +538,37 @@ def test_goal_rows_at_their_thresholds(bench):
     assert lines[4] == "| static batch 256, prompt 128 -> 256 | >= 70,000 output tok/s | 69,999 | **no** | 43,700 | - |"
 
 
+def test_startup_from_cache_times_one_process_on_a_copy_of_the_kernel_cache(bench, monkeypatch, tmp_path):
+    """--startup-from-cache: one process (the goal's second), its TINYVLLM_KERNEL_CACHE a fresh directory holding a
+    copy of this process's kernel cache, the source left as it was; the goal row reads that run. Without a filled
+    kernel cache to copy it refuses, naming the directory."""
+    source = tmp_path / "kernels"
+    source.mkdir()
+    (source / "entry").write_bytes(b"kernel")
+    monkeypatch.setenv("TINYVLLM_KERNEL_CACHE", str(source))
+    seen = []
+
+    def timed(argv, env, timeout_s):
+        cache = Path(env["TINYVLLM_KERNEL_CACHE"])
+        seen.append((cache != source, (cache / "entry").read_bytes(), sorted(p.name for p in cache.iterdir())))
+        return {"first_byte_s": 7.5, "exit_s": 7.9}
+
+    monkeypatch.setattr(bench, "time_to_first_byte", timed)
+    cfg = bench.BenchConfig(workloads=["startup"], backend="cpu", startup_from_cache=True)
+    results = {"tinyvllm": {}}
+    assert bench.run_startup(cfg, tmp_path / "model", results) == "7.5 s to the first token"
+    assert seen == [(True, b"kernel", ["entry"])] and sorted(p.name for p in source.iterdir()) == ["entry"]
+    startup = results["tinyvllm"]["startup"]
+    assert startup["from_cache"] and [r["run"] for r in startup["runs"]] == [bench.STARTUP_FROM_CACHE_RUN]
+    row = bench.goal_rows(made_up_results(bench, startup=startup))[7]
+    assert (row["value"], row["met"], row["measured"]) == (7.5, True, "7.5 s (on a copy of this run's cache)")
+    (source / "entry").unlink()
+    with pytest.raises(RuntimeError, match=f"needs a kernel cache to copy, and {source} is not a directory holding"):
+        bench.run_startup(cfg, tmp_path / "model", results)
+    assert bench.parse_args(["startup", "--startup-from-cache"])[0].startup_from_cache
+    assert not bench.parse_args(["startup"])[0].startup_from_cache
+
+
 def test_goal_rows_not_measured(bench):
     """A workload that did not run (or was skipped) is 'not measured', neither met nor missed."""
     results = made_up_results(bench, step={"skipped": "step not measured: it needs a GPU"}, startup={},
