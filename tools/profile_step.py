@@ -136,7 +136,8 @@ def with_settings(record, settings):
 
 
 def with_gemv_configs(record, overrides: dict):
-    """Run record() with matmul_policy.gemv_config returning overrides[(n, k)] for those weight shapes."""
+    """Run record() with matmul_policy.gemv_config returning overrides[(n, k)] for those weight shapes (set and
+    restored as with_settings does)."""
     from cuda_kernels import matmul_policy
 
     default = matmul_policy.gemv_config
@@ -144,11 +145,7 @@ def with_gemv_configs(record, overrides: dict):
     def config(m, n, k):
         return overrides.get((n, k)) or default(m, n, k)
 
-    matmul_policy.gemv_config = config
-    try:
-        record()
-    finally:
-        matmul_policy.gemv_config = default
+    with_settings(record, (("matmul_policy", "gemv_config", config),))
 
 
 def graph_time(graph, stream) -> float:
