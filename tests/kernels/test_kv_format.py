@@ -104,6 +104,9 @@ def test_kv_format_names_and_nans():
 # the GPU's conversions (kv_format.kv_encode / kv_decode kernels over the codec's device functions)
 
 
+# NOTE: x / scale overflows float32 for the largest values at scale < 1, on the GPU as in the reference (the fp8
+# encode then saturates); the simulator divides numpy scalars, which warn about it.
+@pytest.mark.filterwarnings("ignore:overflow encountered in scalar divide:RuntimeWarning")
 @settings(max_examples=examples(3, 10))
 @given(st.integers(0, 2**32 - 1), st.sampled_from(ref.FORMATS), st.sampled_from([1.0, 0.05, 3.0]))
 def test_encode_and_decode_kernels_match_the_reference(seed, fmt, scale):
