@@ -417,7 +417,8 @@ def tma_plan(m: int, n: int, k: int) -> tuple[TmaTile, int]:
     if m >= WGMMA_MIN_M:
         return tma_tile(m, n), 1
     rows = next(r for r in TMA_DECODE_TILES if m <= r)
-    tile, (blocks, min_slabs) = TMA_DECODE_TILES[rows], TMA_DECODE_SPLITS[rows]
+    # (TmaTile of a plain tuple too: tools/profile_step.py --set gives literals)
+    tile, (blocks, min_slabs) = TmaTile(*TMA_DECODE_TILES[rows]), TMA_DECODE_SPLITS[rows]
     return tile, split_count(gemm_tma.tiles(tile, m, n), -(-k // wgmma.TILE_K), min_slabs, blocks)
 
 

@@ -473,8 +473,10 @@ def wgmma_cases(ms=(192, 256, 300, 1024), weights=None, tiles=WGMMA_CANDIDATES) 
 # with more stages, four of 64 x 128, and one warpgroup (decode batches)
 TMA_CANDIDATES = (gtma.TmaTile(128, 256, 4), gtma.TmaTile(128, 128, 6), gtma.TmaTile(256, 128, 4),
                   gtma.TmaTile(128, 256, 3), gtma.TmaTile(64, 256, 5), gtma.TmaTile(64, 128, 8))
-# at decode batches (--tma with M < matmul_policy.WGMMA_MIN_M) the tiles of one and two consumer warpgroups
-TMA_DECODE_CANDIDATES = (gtma.TmaTile(64, 128, 8), gtma.TmaTile(64, 256, 5), gtma.TmaTile(128, 128, 6))
+# at decode batches (--tma with M < matmul_policy.WGMMA_MIN_M) the tiles of one, two and (above 128 rows) four
+# consumer warpgroups
+TMA_DECODE_CANDIDATES = (gtma.TmaTile(64, 128, 8), gtma.TmaTile(64, 256, 5), gtma.TmaTile(128, 128, 6),
+                         gtma.TmaTile(256, 128, 4))
 
 
 def tma_split_plans(m: int, n: int, k: int) -> list[tuple[gtma.TmaTile, int]]:
@@ -485,6 +487,8 @@ def tma_split_plans(m: int, n: int, k: int) -> list[tuple[gtma.TmaTile, int]]:
         return [(t, 1) for t in TMA_CANDIDATES]
     slabs, plans = -(-k // gtma.TILE_K), []
     for t in TMA_DECODE_CANDIDATES:
+        if t.bm > 2 * max(m, 64):
+            continue   # (most of the tile's rows past M)
         splits = mp.split_count(gtma.tiles(t, m, n), slabs, mp.WGMMA_MIN_SPLIT_SLABS)
         for s_ in dict.fromkeys((splits, max(1, splits // 2))):
             plans.append((t, s_))
