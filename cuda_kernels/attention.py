@@ -34,7 +34,7 @@ Versions:
   NAIVE_MAX_CONTEXT) and makes three passes: scores and their max, exp and their sum, the weighted sum of V.
   K and V are re-read from global memory by every query.
 - `prefill_attention` (flash attention, SIMT fp32): grid = (S, ceil(max_q_len * G / ROWS), Hkv). A block owns
-  ROWS query rows of one sequence and one KV head, a row being a (query token, query head of the group) pair,
+  ROWS query rows of one sequence and one KV head (which tile and head: row_tile, the longest tiles first), a row being a (query token, query head of the group) pair,
   so the G query heads that share a KV head share every K/V tile. It walks the keys in tiles of 32: the block
   stages a tile in shared memory (widened to fp32), each warp scores it against its ROWS / WARPS rows (lane j
   owns key j of the tile), and updates each row's online softmax state: running max m, per-lane running sum
@@ -234,15 +234,21 @@ def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
 
 @cuda.jit(device=True)
 def row_tile(q, kv_heads, cu_seqlens_q, context_lens, rows):
-    """The query rows of a flash block (grid (sequence, row tile, KV head); attention_tc.py's too): with
-    G = Hq / Hkv query heads per KV head, row r of sequence s is (token r // G, head kvh * G + r % G), so a KV
-    head's n_rows = q_len * G rows are cut into tiles of `rows`. Returns (G, q_begin, n_rows, row0, first,
-    k_end): the sequence's first token in q, its row count, the tile's first row (row0 >= n_rows: an empty
-    tile), the position of the sequence's first query, and the keys any row of the tile may see (positions
-    < k_end, causal)."""
+    """The KV head and query rows of a flash block (grid (sequence, row tile, KV head); attention_tc.py's too):
+    with G = Hq / Hkv query heads per KV head, row r of sequence s is (token r // G, head kvh * G + r % G), so a
+    KV head's n_rows = q_len * G rows are cut into tiles of `rows`. Returns (kvh, G, q_begin, n_rows, row0,
+    first, k_end): the block's KV head, the sequence's first token in q, its row count, the tile's first row
+    (row0 >= n_rows: an empty tile), the position of the sequence's first query, and the keys any row of the
+    tile may see (positions < k_end, causal).
+
+    NOTE: the last row tiles see the most keys, so they should start first. Blocks start in the order of their
+    ids (x fastest, then y, then z), so a sequence's blocks are ranked z * gridDim.y + y and the rank read
+    longest first across every KV head: rank i is KV head i % Hkv of row tile gridDim.y - 1 - i // Hkv. (Ranked
+    by y alone, the last KV head's longest tiles would start last, after every other head's short ones.)"""
     seq = cuda.blockIdx.x
-    # NOTE: the last row tiles see the most keys; giving them the lowest block ids starts them first.
-    tile = cuda.gridDim.y - 1 - cuda.blockIdx.y
+    rank = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
+    kvh = rank % kv_heads
+    tile = cuda.gridDim.y - 1 - rank // kv_heads
     group = q.shape[1] // kv_heads
     q_begin = cu_seqlens_q[seq]
     q_len = cu_seqlens_q[seq + 1] - q_begin
@@ -250,7 +256,7 @@ def row_tile(q, kv_heads, cu_seqlens_q, context_lens, rows):
     row0 = tile * rows
     first = context_lens[seq] - q_len
     last_row = min(row0 + rows, n_rows) - 1
-    return group, q_begin, n_rows, row0, first, first + last_row // group + 1
+    return kvh, group, q_begin, n_rows, row0, first, first + last_row // group + 1
 
 
 @lru_cache(maxsize=None)
@@ -276,8 +282,9 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: st
     def prefill_flash_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, ROW_WORDS) u64 (the caches, 64 bits
         # per word); scale includes fp8's k_scale
-        seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens, ROWS)
+        seq = cuda.blockIdx.x
+        kvh, group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens,
+                                                                   ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x

@@ -308,8 +308,9 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
     def prefill_tc_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale, out):
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, D/4): quads of 4 elements (bf16:
         # u64; fp8: u32); scale includes fp8's k_scale
-        seq, kvh = cuda.blockIdx.x, cuda.blockIdx.z
-        group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens, ROWS)
+        seq = cuda.blockIdx.x
+        kvh, group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens,
+                                                                   ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x

@@ -139,8 +139,8 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
                                     out):
         # q, out (T, Hq, D) f32; k_words, v_words: the caches flat, bf16 as uint16 elements (fp8: uint32 quads)
         sh = cuda.shared.array(0, uint16)
-        seq, kvh, kv_heads = cuda.blockIdx.x, cuda.blockIdx.z, cuda.gridDim.z
-        group, q_begin, n_rows, row0, first, k_end = row_tile(q, kv_heads, cu_seqlens_q, context_lens, ROWS)
+        seq, kv_heads = cuda.blockIdx.x, cuda.gridDim.z
+        kvh, group, q_begin, n_rows, row0, first, k_end = row_tile(q, kv_heads, cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
