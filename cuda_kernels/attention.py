@@ -233,13 +233,14 @@ def _naive_kernel(head_dim: int, block_size: int, fmt: str = "bf16"):
 
 
 @cuda.jit(device=True)
-def row_tile(q, kv_heads, cu_seqlens_q, context_lens, rows):
+def row_tile(group, kv_heads, cu_seqlens_q, context_lens, rows):
     """The KV head and query rows of a flash block (grid (sequence, row tile, KV head); attention_tc.py's too):
-    with G = Hq / Hkv query heads per KV head, row r of sequence s is (token r // G, head kvh * G + r % G), so a
-    KV head's n_rows = q_len * G rows are cut into tiles of `rows`. Returns (kvh, G, q_begin, n_rows, row0,
-    first, k_end): the block's KV head, the sequence's first token in q, its row count, the tile's first row
-    (row0 >= n_rows: an empty tile), the position of the sequence's first query, and the keys any row of the
-    tile may see (positions < k_end, causal).
+    with G = group = Hq / Hkv query heads per KV head (a run-time value, or a kernel's compile-time constant),
+    row r of sequence s is (token r // G, head kvh * G + r % G), so a KV head's n_rows = q_len * G rows are cut
+    into tiles of `rows`. Returns (kvh, q_begin, n_rows, row0, first, k_end): the block's KV head, the
+    sequence's first token in q, its row count, the tile's first row (row0 >= n_rows: an empty tile), the
+    position of the sequence's first query, and the keys any row of the tile may see (positions < k_end,
+    causal).
 
     NOTE: the last row tiles see the most keys, so they should start first. Blocks start in the order of their
     ids (x fastest, then y, then z), so a sequence's blocks are ranked z * gridDim.y + y and the rank read
@@ -249,14 +250,13 @@ def row_tile(q, kv_heads, cu_seqlens_q, context_lens, rows):
     rank = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
     kvh = rank % kv_heads
     tile = cuda.gridDim.y - 1 - rank // kv_heads
-    group = q.shape[1] // kv_heads
     q_begin = cu_seqlens_q[seq]
     q_len = cu_seqlens_q[seq + 1] - q_begin
     n_rows = q_len * group
     row0 = tile * rows
     first = context_lens[seq] - q_len
     last_row = min(row0 + rows, n_rows) - 1
-    return kvh, group, q_begin, n_rows, row0, first, first + last_row // group + 1
+    return kvh, q_begin, n_rows, row0, first, first + last_row // group + 1
 
 
 @lru_cache(maxsize=None)
@@ -283,8 +283,8 @@ def _flash_kernel(head_dim: int, block_size: int, rows: int, warps: int, fmt: st
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, ROW_WORDS) u64 (the caches, 64 bits
         # per word); scale includes fp8's k_scale
         seq = cuda.blockIdx.x
-        kvh, group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens,
-                                                                   ROWS)
+        group = q.shape[1] // k_words.shape[2]
+        kvh, q_begin, n_rows, row0, first, k_end = row_tile(group, k_words.shape[2], cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x

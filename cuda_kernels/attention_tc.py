@@ -56,8 +56,8 @@ Numerics (the policy of the SIMT flash kernel, summation order aside): K and V a
 operands. Q and P are fp32: each is split into three bf16 pieces, x = hi + mid + lo exactly (mma.py's
 split_bf16x3), and each product is three mma into the same fp32 accumulators: every piece * bf16 product
 is exact, so S and P V are fp32 sums of exact products (3x the tensor-core work, still far above SIMT
-fp32). The scale, m, l, the rescaling exp(m_old - m_new) and the final division are fp32; a masked score is
--inf before exp (p = 0 exactly) and a key slot past the block's last visible key is never loaded (staged as
+fp32). The scale, m, l, the rescaling exp(m_old - m_new) and the final division are fp32 (scores kept in log2
+units, so each exp is one exp2: online_softmax_step); a masked score is -inf before exp (p = 0 exactly) and a key slot past the block's last visible key is never loaded (staged as
 zeros: an unused slot may hold NaN, and 0 * NaN is NaN).
 
 The step from the SIMT flash kernel: the same algorithm, with both matrix products on mma tiles, keeping S
@@ -75,12 +75,13 @@ from cuda_kernels.attention_args import check_prefill_args, folded_scales
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.kv_format import e4m3x4_to_bf16x4
 from cuda_kernels.launch import launch, view
-from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3
-from cuda_kernels.primitives import FULL_MASK, WARP
+from cuda_kernels.mma import halves, mma_bf16_m16n8k16, pack4, split_bf16x3, split_bf16x3_finite
+from cuda_kernels.primitives import FULL_MASK, WARP, exp2_ftz, fmax
 
 
 TC_HEAD_DIMS = (16, 32, 64, 128)   # the head dims it compiles for
 TC_FORMATS = ("bf16", "fp8")   # the KV formats it reads (see the module docstring)
+LOG2E = 1 / math.log(2)        # scores in log2 units: exp(s - m) = 2^(s log2(e) - m log2(e))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -184,30 +185,35 @@ def _same_quad(word):
 
 @lru_cache(maxsize=None)
 def online_softmax_step(key_tiles: int, dim_tiles: int):
-    """A device function step(sacc, m, l, oacc): one tile's online-softmax update for a lane's two rows (g and
-    g + 8) in the mma D layout. sacc holds the tile's scaled scores, -inf where masked (4 per n8 key tile:
-    elements 0, 1 of row g, 2, 3 of row g + 8); they become p = exp(s - m_new), m (the running max, equal
-    in the group's 4 lanes) moves to m_new, and this lane's running sums l and the O accumulators oacc (4 per
-    n8 dim tile) are rescaled by exp(m_old - m_new). A row that has seen no visible key yet keeps m = -inf
-    and gets p = 0 (exp against 0, not against -inf, which would give NaN)."""
+    """A device function step(sacc, m, l, oacc, scale): one tile's online-softmax update for a lane's two rows
+    (g and g + 8) in the mma D layout. sacc holds the tile's products <q, k>, -inf where masked (4 per n8 key
+    tile: elements 0, 1 of row g, 2, 3 of row g + 8), and scale > 0 includes log2(e), so that x = scale <q, k>
+    is a score in log2 units; they become p = 2^(x - m_new) = exp(s - m_new / log2(e)), m (the running max of
+    x, equal in the group's 4 lanes) moves to m_new, and this lane's running sums l and the O accumulators oacc (4 per n8 dim tile) are rescaled by
+    2^(m_old - m_new). A row that has seen no visible key yet keeps m = -inf and gets p = 0 (2^ against 0, not
+    against -inf, which would give NaN).
+    NOTE: exp2, not exp: one instruction a score (primitives.exp2_ftz), where exp is exp2 of x log2(e) plus a
+    range reduction of a few instructions more, for each of a tile's scores (the launchers fold log2(e) into
+    the score scale)."""
     KEY_TILES, DIM_TILES = key_tiles, dim_tiles
 
     @cuda.jit(device=True, inline=True)
-    def step(sacc, m, l, oacc):
+    def step(sacc, m, l, oacc, scale):
         mx_lo, mx_hi = NEG_INF, NEG_INF
         for j in range(KEY_TILES):
-            mx_lo = max(mx_lo, sacc[4 * j], sacc[4 * j + 1])
-            mx_hi = max(mx_hi, sacc[4 * j + 2], sacc[4 * j + 3])
+            mx_lo = fmax(mx_lo, fmax(sacc[4 * j], sacc[4 * j + 1]))
+            mx_hi = fmax(mx_hi, fmax(sacc[4 * j + 2], sacc[4 * j + 3]))
         mx_lo, mx_hi = quad_max2(mx_lo, mx_hi)
-        m_lo, m_hi = max(m[0], mx_lo), max(m[1], mx_hi)
+        # (scale > 0: the scaled max is the max's product, rounded alike)
+        m_lo, m_hi = max(m[0], scale * mx_lo), max(m[1], scale * mx_hi)
         safe_lo = m_lo if m_lo != NEG_INF else float32(0)
         safe_hi = m_hi if m_hi != NEG_INF else float32(0)
-        corr_lo, corr_hi = float32(math.exp(m[0] - safe_lo)), float32(math.exp(m[1] - safe_hi))
+        corr_lo, corr_hi = exp2_ftz(m[0] - safe_lo), exp2_ftz(m[1] - safe_hi)
         m[0], m[1] = m_lo, m_hi
         sum_lo, sum_hi = float32(0), float32(0)
         for j in range(KEY_TILES):
             for c in range(4):
-                prob = float32(math.exp(sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi)))
+                prob = exp2_ftz(scale * sacc[4 * j + c] - (safe_lo if c < 2 else safe_hi))   # (one FFMA)
                 sacc[4 * j + c] = prob
                 if c < 2:
                     sum_lo += prob
@@ -227,16 +233,17 @@ def online_softmax_step(key_tiles: int, dim_tiles: int):
 @cuda.jit(device=True, inline=True)
 def p_pieces(sacc, s):
     """P's A fragment of key step s, taken from the accumulators of S's n8 tiles 2 s (a0, a1) and 2 s + 1
-    (a2, a3), as three fragments of bf16 pieces (hi, mid, lo: mma.split_bf16x3, exact): 12 registers."""
+    (a2, a3), as three fragments of bf16 pieces (hi, mid, lo: mma.split_bf16x3, exact; P is in [0, 1], so
+    without the infinity test): 12 registers."""
     j0, j1 = 8 * s, 8 * s + 4
-    h0, d0, l0 = split_bf16x3(sacc[j0])
-    h1, d1, l1 = split_bf16x3(sacc[j0 + 1])
-    h2, d2, l2 = split_bf16x3(sacc[j0 + 2])
-    h3, d3, l3 = split_bf16x3(sacc[j0 + 3])
-    h4, d4, l4 = split_bf16x3(sacc[j1])
-    h5, d5, l5 = split_bf16x3(sacc[j1 + 1])
-    h6, d6, l6 = split_bf16x3(sacc[j1 + 2])
-    h7, d7, l7 = split_bf16x3(sacc[j1 + 3])
+    h0, d0, l0 = split_bf16x3_finite(sacc[j0])
+    h1, d1, l1 = split_bf16x3_finite(sacc[j0 + 1])
+    h2, d2, l2 = split_bf16x3_finite(sacc[j0 + 2])
+    h3, d3, l3 = split_bf16x3_finite(sacc[j0 + 3])
+    h4, d4, l4 = split_bf16x3_finite(sacc[j1])
+    h5, d5, l5 = split_bf16x3_finite(sacc[j1 + 1])
+    h6, d6, l6 = split_bf16x3_finite(sacc[j1 + 2])
+    h7, d7, l7 = split_bf16x3_finite(sacc[j1 + 3])
     return (bf16_pair(h0, h1), bf16_pair(h2, h3), bf16_pair(h4, h5), bf16_pair(h6, h7),
             bf16_pair(d0, d1), bf16_pair(d2, d3), bf16_pair(d4, d5), bf16_pair(d6, d7),
             bf16_pair(l0, l1), bf16_pair(l2, l3), bf16_pair(l4, l5), bf16_pair(l6, l7))
@@ -254,13 +261,15 @@ def output_store(dim_tiles: int):
         total_lo, total_hi = quad_sum2(l[0], l[1])
         for half in range(2):
             r = r_lo + 8 * half
-            total = (total_lo if half == 0 else total_hi) / v_scale
+            # NOTE: one division a row, then products: an fp32 division is a dozen instructions and a slow-path
+            # check (within an ulp of O / l, the reference's order of rounding aside)
+            inv = v_scale / (total_lo if half == 0 else total_hi)
             if r < n_rows:
                 token = q_begin + r // group
                 head = kvh * group + r % group
                 for j in range(DIM_TILES):
-                    out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] / total
-                    out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] / total
+                    out[token, head, 8 * j + 2 * t] = oacc[4 * j + 2 * half] * inv
+                    out[token, head, 8 * j + 2 * t + 1] = oacc[4 * j + 2 * half + 1] * inv
 
     return store
 
@@ -309,8 +318,8 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
         # q, out (T, Hq, D) f32; k_words, v_words (blocks, BLOCK_SIZE, Hkv, D/4): quads of 4 elements (bf16:
         # u64; fp8: u32); scale includes fp8's k_scale
         seq = cuda.blockIdx.x
-        kvh, group, q_begin, n_rows, row0, first, k_end = row_tile(q, k_words.shape[2], cu_seqlens_q, context_lens,
-                                                                   ROWS)
+        group = q.shape[1] // k_words.shape[2]
+        kvh, q_begin, n_rows, row0, first, k_end = row_tile(group, k_words.shape[2], cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
@@ -424,11 +433,9 @@ def _tc_kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str =
             masked = t0 + TILE_KEYS - 1 > diag   # the diagonal tile(s): some key lies past some row's position
             for j in range(KEY_TILES):
                 for c in range(4):
-                    x = scale * sacc[4 * j + c]
                     if masked and t0 + 16 * (j // 2) + 4 * t + 2 * (j % 2) + c % 2 > (pos_lo if c < 2 else pos_hi):
-                        x = NEG_INF
-                    sacc[4 * j + c] = x
-            softmax_step(sacc, m, l, oacc)
+                        sacc[4 * j + c] = NEG_INF
+            softmax_step(sacc, m, l, oacc, scale)
 
             # O += P V. The S accumulators of n8 tiles 2s and 2s + 1 are exactly the A fragment of key step s
             # (keys 16 s + 4 t, + 1 in a0 / a1, + 2, + 3 in a2 / a3), split into three bf16 pieces.
@@ -461,7 +468,8 @@ def check_tc_args(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context
                   keys_per_tile, scale, k_scale, v_scale):
     """A tensor-core prefill launcher's checks (ValueError naming `name`): prefill_attention's arguments, a cache
     in TC_FORMATS, head_dim in TC_HEAD_DIMS, keys_per_tile a multiple of 16, at least one warp. Returns
-    (head_dim, block_size, format, the score scale times k_scale, v_scale)."""
+    (head_dim, block_size, format, the score scale times k_scale times log2(e), v_scale): the kernels keep
+    scores in log2 units (online_softmax_step)."""
     d, block_size = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
                                        max_q_len)
     fmt, scale, v_scale = folded_scales(k_cache, scale, k_scale, v_scale)
@@ -475,7 +483,9 @@ def check_tc_args(name, q, k_cache, v_cache, block_tables, cu_seqlens_q, context
         raise ValueError(f"{name}: keys_per_tile must be a multiple of 16, got {keys_per_tile}")
     if warps < 1:
         raise ValueError(f"{name}: warps must be at least 1, got {warps}")
-    return d, block_size, fmt, scale, v_scale
+    if not scale > 0:
+        raise ValueError(f"{name}: the score scale (times k_scale) must be positive, got {scale}")
+    return d, block_size, fmt, np.float32(scale * LOG2E), v_scale
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, out,

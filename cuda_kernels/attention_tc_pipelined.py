@@ -67,10 +67,14 @@ def shared_bytes(head_dim: int, warps: int, keys_per_tile: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "bf16"):
-    """The pipelined tensor-core flash kernel: `warps` warps of 16 query rows each, K/V tiles of `keys` keys,
-    fmt "bf16" (cp.async copies of the cache's rows) or "fp8" (quads of e4m3 widened to bf16 as staged)."""
-    D, BLOCK_SIZE, WARPS, TILE_KEYS = head_dim, block_size, warps, keys
+def _kernel(head_dim: int, block_size: int, group: int, warps: int, keys: int, fmt: str = "bf16"):
+    """The pipelined tensor-core flash kernel: `group` query heads per KV head, `warps` warps of 16 query rows
+    each, K/V tiles of `keys` keys, fmt "bf16" (cp.async copies of the cache's rows) or "fp8" (quads of e4m3
+    widened to bf16 as staged)."""
+    # NOTE: the group is a compile-time constant here (attention_tc's kernel reads it from q's shape): a row's
+    # token and head are row // G and row % G, and by a run-time G those are 64-bit divisions, tens of
+    # instructions each, for every quad of Q staged and every output row.
+    D, BLOCK_SIZE, GROUP, WARPS, TILE_KEYS = head_dim, block_size, group, warps, keys
     ROWS = 16 * WARPS
     THREADS = WARPS * WARP
     LD = D + CHUNK                       # shared row length (elements)
@@ -101,38 +105,46 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
 
     @cuda.jit(device=True, inline=True)
     def piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i):
-        """(shared offset in a tile, flat index in the cache, valid) of staging piece i of the tile at t0."""
-        r, c = i // ROW_PIECES, i % ROW_PIECES
-        key = t0 + r
-        src = 0
-        valid = r < TILE_KEYS and key < k_end
+        """(shared offset in a tile, flat index in the cache, valid) of staging piece i of the tile at t0.
+        NOTE: unsigned arithmetic: with signed indices every // and % of a key by the block size takes a
+        floor fix-up and every array index a wraparound check: about 60 instructions a piece, which were a
+        third of the key-tile loop's instructions."""
+        r, c = uint32(i) // uint32(ROW_PIECES), uint32(i) % uint32(ROW_PIECES)
+        key = uint32(t0) + r
+        src = uint64(0)
+        valid = r < uint32(TILE_KEYS) and key < uint32(k_end)
         if valid:
-            blk = block_tables[seq, key // BLOCK_SIZE]
-            src = ((blk * BLOCK_SIZE + key % BLOCK_SIZE) * kv_heads + kvh) * ROW_PIECES + c
+            blk = uint64(block_tables[uint32(seq), key // uint32(BLOCK_SIZE)])
+            slot = blk * uint64(BLOCK_SIZE) + uint64(key % uint32(BLOCK_SIZE))
+            src = (slot * uint64(kv_heads) + uint64(kvh)) * uint64(ROW_PIECES) + uint64(c)
         return piece_offset(i), src, valid
 
     @cuda.jit(device=True, inline=True)
-    def issue_tile(sh, base, words, block_tables, seq, kvh, kv_heads, t0, k_end, tid):
-        """Stage one K or V tile (keys t0 ..) at sh[base:]: cp.async of 16-byte chunks (bf16), or loads, the
-        e4m3 -> bf16 widening and stores (fp8; all loads issued before the first store)."""
+    def issue_tiles(sh, base, k_words, v_words, block_tables, seq, kvh, kv_heads, t0, k_end, tid):
+        """Stage the K tile (keys t0 ..) at sh[base:] and the V tile of the same keys at sh[base + TILE:]:
+        cp.async of 16-byte chunks (bf16), or loads, the e4m3 -> bf16 widening and stores (fp8; all loads
+        issued before the first store). Each piece's source is found once for both."""
         if ASYNC:
             for n in range(PER_THREAD):
                 i = tid + n * THREADS
                 if i < TILE_KEYS * ROW_PIECES:
                     d, src, valid = piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, i)
-                    cp_async_16(sh, base + d, words, src * CHUNK, valid)
+                    cp_async_16(sh, base + d, k_words, src * uint64(CHUNK), valid)
+                    cp_async_16(sh, base + TILE + d, v_words, src * uint64(CHUNK), valid)
         else:
-            loaded = cuda.local.array(PER_THREAD, uint32)
+            loaded = cuda.local.array((2, PER_THREAD), uint32)
             for n in range(PER_THREAD):
                 d, src, valid = piece_source(block_tables, seq, kvh, kv_heads, t0, k_end, tid + n * THREADS)
-                loaded[n] = words[src] if valid else uint32(0)
+                loaded[0, n] = k_words[src] if valid else uint32(0)
+                loaded[1, n] = v_words[src] if valid else uint32(0)
             for n in range(PER_THREAD):
                 i = tid + n * THREADS
                 if i < TILE_KEYS * ROW_PIECES:
-                    d = piece_offset(i)   # (the block table was read with the load)
-                    x = e4m3x4_to_bf16x4(loaded[n])
-                    for e in range(4):
-                        sh[base + d + e] = uint16((x >> uint64(16 * e)) & _MASK16)
+                    d = piece_offset(i)   # (the block table was read with the loads)
+                    for kv in range(2):
+                        x = e4m3x4_to_bf16x4(loaded[kv, n])
+                        for e in range(4):
+                            sh[base + kv * TILE + d + e] = uint16((x >> uint64(16 * e)) & _MASK16)
 
     @cuda.jit
     def prefill_tc_pipelined_kernel(q, k_words, v_words, block_tables, cu_seqlens_q, context_lens, scale, v_scale,
@@ -140,35 +152,38 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
         # q, out (T, Hq, D) f32; k_words, v_words: the caches flat, bf16 as uint16 elements (fp8: uint32 quads)
         sh = cuda.shared.array(0, uint16)
         seq, kv_heads = cuda.blockIdx.x, cuda.gridDim.z
-        kvh, group, q_begin, n_rows, row0, first, k_end = row_tile(q, kv_heads, cu_seqlens_q, context_lens, ROWS)
+        kvh, q_begin, n_rows, row0, first, k_end = row_tile(GROUP, kv_heads, cu_seqlens_q, context_lens, ROWS)
         if row0 >= n_rows:
             return  # the whole block leaves together, before any barrier
         tid = cuda.threadIdx.x
         warp, lane = tid // WARP, tid % WARP
         g, t = lane // 4, lane % 4
-        diag = first + row0 // group                       # tiles with a key past this need the mask
-        pos_lo = first + (row0 + 16 * warp + g) // group   # positions of this lane's rows g and g + 8
-        pos_hi = first + (row0 + 16 * warp + g + 8) // group
+        diag = first + row0 // GROUP                       # tiles with a key past this need the mask
+        pos_lo = first + (row0 + 16 * warp + g) // GROUP   # positions of this lane's rows g and g + 8
+        pos_hi = first + (row0 + 16 * warp + g + 8) // GROUP
         tiles = (k_end + TILE_KEYS - 1) // TILE_KEYS
 
         # The first tile's copies go out first, so that they are in flight while the threads split Q into its
         # pieces and store them: quad i is dims 4 (i % (D/4)) .. + 3 of block row i // (D/4); rows past n_rows
-        # are zeros.
-        issue_tile(sh, KV_BASE, k_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
-        issue_tile(sh, KV_BASE + TILE, v_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
+        # are zeros. (Unsigned indices, as in piece_source.)
+        issue_tiles(sh, KV_BASE, k_words, v_words, block_tables, seq, kvh, kv_heads, 0, k_end, tid)
         cp_async_commit()
         for n in range(Q_PER_THREAD):
             i = tid + n * THREADS
             if i < Q_QUADS:
-                r, dim = i // (D // 4), 4 * (i % (D // 4))
+                r, dim = uint32(i) // uint32(D // 4), uint32(4) * (uint32(i) % uint32(D // 4))
+                row = uint32(row0) + r
+                token = uint32(q_begin) + row // uint32(GROUP)
+                head = uint32(kvh) * uint32(GROUP) + row % uint32(GROUP)
+                at = r * uint32(LD) + dim
                 for e in range(4):
                     x = float32(0)
-                    if row0 + r < n_rows:
-                        x = q[q_begin + (row0 + r) // group, kvh * group + (row0 + r) % group, dim + e]
+                    if row < uint32(n_rows):
+                        x = q[token, head, dim + uint32(e)]
                     hi, mid, lo = split_bf16x3(x)
-                    sh[r * LD + dim + e] = uint16(hi)
-                    sh[Q_PLANE + r * LD + dim + e] = uint16(mid)
-                    sh[2 * Q_PLANE + r * LD + dim + e] = uint16(lo)
+                    sh[at + uint32(e)] = uint16(hi)
+                    sh[at + uint32(Q_PLANE + e)] = uint16(mid)
+                    sh[at + uint32(2 * Q_PLANE + e)] = uint16(lo)
 
         sacc = cuda.local.array(SACC, float32)
         oacc = cuda.local.array(OACC, float32)
@@ -193,8 +208,7 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
             cuda.syncthreads()   # everyone's have (and Q's pieces); every warp is done with tile it - 1
             if it + 1 < tiles:   # tile it + 1 into the stage tile it - 1 used
                 nxt = KV_BASE + 2 * TILE * ((it + 1) % 2)
-                issue_tile(sh, nxt, k_words, block_tables, seq, kvh, kv_heads, t0 + TILE_KEYS, k_end, tid)
-                issue_tile(sh, nxt + TILE, v_words, block_tables, seq, kvh, kv_heads, t0 + TILE_KEYS, k_end, tid)
+                issue_tiles(sh, nxt, k_words, v_words, block_tables, seq, kvh, kv_heads, t0 + TILE_KEYS, k_end, tid)
             cp_async_commit()
             kt = KV_BASE + 2 * TILE * (it % 2)
             vt = kt + TILE
@@ -215,14 +229,15 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
                             sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3])
 
             # Online softmax. Element (j, c) of this lane is row g (c < 2) or g + 8, key t0 + 8 j + 2 t + c % 2.
-            masked = t0 + TILE_KEYS - 1 > diag   # the diagonal tile(s): some key lies past some row's position
-            for j in range(KEY_TILES):
-                for c in range(4):
-                    x = scale * sacc[4 * j + c]
-                    if masked and t0 + 8 * j + 2 * t + c % 2 > (pos_lo if c < 2 else pos_hi):
-                        x = NEG_INF
-                    sacc[4 * j + c] = x
-            softmax_step(sacc, m, l, oacc)
+            # NOTE: the mask in a branch of its own (block-uniform), not a select per score: only the diagonal
+            # tile(s), where some key lies past some row's position, pay for it. The scale goes into the
+            # softmax's exponent (one FFMA a score).
+            if t0 + TILE_KEYS - 1 > diag:
+                for j in range(KEY_TILES):
+                    for c in range(4):
+                        if t0 + 8 * j + 2 * t + c % 2 > (pos_lo if c < 2 else pos_hi):
+                            sacc[4 * j + c] = NEG_INF
+            softmax_step(sacc, m, l, oacc, scale)
 
             # O += P V: key step s's A fragment is S's tiles 2 s (a0, a1) and 2 s + 1 (a2, a3), in three bf16
             # pieces; V's B fragments of two dim tiles per ldmatrix .trans.
@@ -245,7 +260,7 @@ def _kernel(head_dim: int, block_size: int, warps: int, keys: int, fmt: str = "b
                             a0, a1, a2, a3, b2, b3, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
 
         # Epilogue: the row sums across the group's 4 lanes, then out = O / l.
-        store_output(out, oacc, l, v_scale, q_begin, kvh, group, n_rows, row0 + 16 * warp + g, t)
+        store_output(out, oacc, l, v_scale, q_begin, kvh, GROUP, n_rows, row0 + 16 * warp + g, t)
 
     return prefill_tc_pipelined_kernel
 
@@ -267,7 +282,7 @@ def prefill_attention_tc_pipelined(q, k_cache, v_cache, block_tables, cu_seqlens
         return
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    kernel = _kernel(d, block_size, warps, keys_per_tile, fmt)
+    kernel = _kernel(d, block_size, group, warps, keys_per_tile, fmt)
     grid = (num_seqs, -(-max_q_len * group // (16 * warps)), num_kv_heads)
     words = np.uint16 if fmt == "bf16" else np.uint32     # bf16 elements, or quads of 4 e4m3
     flat = (k_cache.size * k_cache.dtype.itemsize // np.dtype(words).itemsize,)

@@ -15,11 +15,14 @@ Rules for callers (both implementations rely on them):
 - a block reduction needs a `cuda.shared.array(32, float32)` scratch buffer from the calling kernel.
 
 `load_l2(array, i)` reads a global element past the SM's L1 (GPU: ld.global.cg; simulator: a plain read),
-for data other blocks of the running grid wrote.
+for data other blocks of the running grid wrote. `exp2_ftz(x)` is 2^x and `fmax(a, b)` the larger of two values,
+each in one instruction (ex2.approx.ftz, fmaxf).
 
 bf16 -> f32 is exact (the bits become the upper half of an fp32). f32 -> bf16 rounds to nearest, ties to
 even, as reference/bf16.py does: ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept a quiet NaN.
 """
+
+import math
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -84,6 +87,11 @@ if SIMULATOR:
         """array[i]: the simulator has one memory, no caches."""
         return array[i]
 
+    @cuda.jit(device=True)
+    def fmax(a, b):
+        """The larger of two fp32 values (for non-NaN ones, what the GPU's fmaxf gives)."""
+        return max(float32(a), float32(b))
+
 else:
     from numba.cuda import libdevice
 
@@ -124,6 +132,12 @@ else:
         """array[i] read through L2 only (ld.global.cg): an SM's L1 is not coherent with other SMs' writes,
         so data that other blocks of the same grid wrote (after a threadfence) is read this way."""
         return cuda.ldcg(array, i)
+
+    @cuda.jit(device=True, inline=True)
+    def fmax(a, b):
+        """The larger of two fp32 values, in one instruction (fmaxf; a NaN loses to a number). Python's max()
+        compiles to a compare and a select, to keep its NaN rule."""
+        return libdevice.fmaxf(float32(a), float32(b))
 
 
 @cuda.jit(device=True)
@@ -176,6 +190,33 @@ else:
         bf16-input gemv rounds every x it reads with it."""
         packed = _cvt_rn_bf16x2(float32(a), float32(b))
         return bf16_to_f32(packed >> uint32(16)), bf16_to_f32(packed & uint32(0xFFFF))
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def exp2_ftz(x):
+        """2^x in fp32, a result below 2^-126 flushed to 0 (the GPU version's, exactly rounded here)."""
+        if x != x or x >= float32(128):
+            return float32(x) if x != x else float32(np.inf)
+        return float32(math.exp2(x)) if x >= float32(-126) else float32(0)
+else:
+    @intrinsic
+    def _ex2_approx_ftz(typingctx, x):
+        """PTX ex2.approx.ftz.f32: one MUFU.EX2 instruction."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "ex2.approx.ftz.f32 $0, $1;", "=f,f"), list(args))
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def exp2_ftz(x):
+        """2^x in fp32 within 2 ulp, a result below 2^-126 flushed to 0 (-inf gives 0, NaN NaN): one hardware
+        instruction, where math.exp2 adds a denormal check and two multiplies around it (its result keeps
+        subnormals). For softmax weights p = 2^(x - max) next to the max's 1, a subnormal p is nothing."""
+        return _ex2_approx_ftz(float32(x))
 
 
 @cuda.jit(device=True)

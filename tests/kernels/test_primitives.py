@@ -1,8 +1,9 @@
 """cuda_kernels/primitives.py's bf16 narrowing on its own: f32_to_bf16, round_bf16 and round_bf16_pair against
 reference/bf16.py, bit for bit (round_bf16_pair: NaN only as NaN, its payload is the hardware's), on the corner
 bit patterns (NaNs of either sign and any payload, infinities, subnormals, the largest finites that round up
-to infinity, exact ties) as well as random ones; and the fp32 bit casts f32_bits and f32_from_bits, which
-must move every pattern unchanged.
+to infinity, exact ties) as well as random ones; the fp32 bit casts f32_bits and f32_from_bits, which
+must move every pattern unchanged; and the one-instruction exp2_ftz and fmax (with mma's split of finite values)
+that the tensor-core prefill attention's softmax uses.
 
 Every kernel that writes the KV cache or takes bf16 matmul inputs goes through these three helpers, so they
 get a test of their own that walks the corners the kernel tests hit only by chance.
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 from kernel_support import device_empty, examples, pick, to_device
 from numba import cuda
 
-from cuda_kernels.primitives import f32_bits, f32_from_bits, f32_to_bf16, round_bf16, round_bf16_pair
+from cuda_kernels.mma import split_bf16x3, split_bf16x3_finite
+from cuda_kernels.primitives import (exp2_ftz, f32_bits, f32_from_bits, f32_to_bf16, fmax, round_bf16,
+                                    round_bf16_pair)
 from reference.bf16 import f32_to_bf16 as reference_f32_to_bf16
 from reference.bf16 import round_to_bf16
 
@@ -85,3 +88,45 @@ def test_bit_casts_keep_every_pattern(patterns):
     cast_kernel[-(-bits.size // 32), 32](to_device(bits), floats, back)
     np.testing.assert_array_equal(floats.copy_to_host().view(np.uint32), bits)
     np.testing.assert_array_equal(back.copy_to_host(), bits)
+
+
+@cuda.jit
+def fast_math_kernel(x, y, powers, larger, pieces):
+    """Thread i: exp2_ftz(x[i]); fmax(x[i], y[i]); split_bf16x3_finite(x[i]) and split_bf16x3(x[i]) (when
+    finite)."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        powers[i] = exp2_ftz(x[i])
+        larger[i] = fmax(x[i], y[i])
+        if abs(x[i]) < np.float32(np.inf):
+            pieces[i, 0], pieces[i, 1], pieces[i, 2] = split_bf16x3_finite(x[i])
+            pieces[i, 3], pieces[i, 4], pieces[i, 5] = split_bf16x3(x[i])
+
+
+@settings(max_examples=examples(5, 20))
+@given(st.lists(st.floats(-150, 130, width=32), min_size=1, max_size=pick(32, 4096)),
+       st.integers(0, 2**32 - 1))
+def test_exp2_fmax_and_the_finite_split(values, seed):
+    """exp2_ftz is 2^x within 2 ulp, 0 for results below 2^-126 (and for -inf), inf past 2^128; fmax is the
+    larger value; split_bf16x3_finite gives the same pieces as split_bf16x3 (hi + mid + lo == x exactly where
+    x is not tiny)."""
+    x = np.concatenate([np.array(values, np.float32),
+                        np.float32([0, -0.0, 1, -1, -126, -126.5, -149, 127.9, 128, -np.inf, np.inf])])
+    y = np.random.default_rng(seed).permutation(x)
+    powers, larger = device_empty(x.shape, np.float32), device_empty(x.shape, np.float32)
+    pieces = device_empty((x.size, 6), np.uint32)
+    fast_math_kernel[-(-x.size // 32), 32](to_device(x), to_device(y), powers, larger, pieces)
+    want = np.exp2(x.astype(np.float64))
+    got = powers.copy_to_host().astype(np.float64)
+    normal = (want >= 2.0**-126) & (want < 2.0**128)
+    np.testing.assert_allclose(got[normal], want[normal], rtol=2 * 2.0**-23, atol=0)
+    assert np.all(got[want < 2.0**-126] == 0)
+    assert np.all(np.isposinf(got[want >= 2.0**128]))
+    np.testing.assert_array_equal(larger.copy_to_host(), np.maximum(x, y))
+    finite = np.isfinite(x)
+    split = pieces.copy_to_host()[finite]
+    np.testing.assert_array_equal(split[:, :3], split[:, 3:])
+    hi, mid, lo = (split[:, p] for p in range(3))
+    widen = lambda b: (b.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)  # noqa: E731
+    exact = np.abs(x[finite]) >= 2.0**-100   # (below, lo's bits fall under bf16's normal range)
+    np.testing.assert_array_equal((widen(hi) + widen(mid) + widen(lo))[exact], x[finite][exact].astype(np.float64))
