@@ -755,6 +755,18 @@ def test_prefill_tc_launcher_errors(launcher, d, warps, keys, message):
         launcher(**_prefill_args(**changes), warps=warps, keys_per_tile=keys)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan")])
+@pytest.mark.parametrize("launcher", [attention_tc.prefill_attention_tc,
+                                      attention_tc_pipelined.prefill_attention_tc_pipelined])
+def test_prefill_tc_launchers_refuse_a_scale_that_is_not_positive(launcher, scale):
+    """The tensor-core kernels take the max of unscaled scores (online_softmax_step), right for a positive
+    scale only."""
+    args = _prefill_args(q=np.zeros((5, 4, 16), np.float32), out=np.zeros((5, 4, 16), np.float32),
+                         k_cache=np.zeros((3, 4, 2, 16), np.uint16), v_cache=np.zeros((3, 4, 2, 16), np.uint16))
+    with pytest.raises(ValueError, match="scale .* must be positive"):
+        launcher(**{**args, "scale": scale}, warps=1, keys_per_tile=16)
+
+
 @pytest.mark.parametrize("warps, rows, message", [(0, 16, "rows must be a positive multiple of warps"),
                                                   (4, 2, "rows must be a positive multiple of warps"),
                                                   (4, 18, "rows must be a positive multiple of warps"),
