@@ -18,6 +18,11 @@ correctness: that is what the GPU test profile is for.
 runner's steps with gemv's configuration for those weight shapes overridden: a configuration the policy does
 not pick yet can be checked for spills before a GPU run.
 
+--sass NAME disassembles every compiled kernel whose name contains NAME (`nvdisasm`, from the CUDA toolkit or
+PyPI's nvidia-cuda-nvdisasm: --nvdisasm PATH) and counts its instructions: in all, and in each loop (a backward
+branch's body), by opcode. An instruction-bound kernel can so be trimmed and compared before and after
+without a GPU (docs/performance.md, "Fewer instructions per key tile").
+
 --attention-warps compiles the fast decode attention (paged_attention's direct and split kernels) at the
 most warps its launcher accepts, for head sizes 8-128, GQA groups 1-8 and both lanes-per-key settings, and
 checks that registers x threads fit the SM's 65,536 registers (else the launch fails on the GPU).
@@ -34,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
@@ -215,12 +221,50 @@ def run_steps(block_size: int, matmul_precision: str, kv_cache_dtype: str = "bf1
 
 def assemble(ptxas: Path, ptx: str, check: bool = False) -> subprocess.CompletedProcess:
     """`ptxas -v` on the PTX for its own target (sm_90a where numba-cuda compiled for it: a kernel using wgmma);
-    the register, spill and shared-memory report is in stderr."""
+    the register, spill and shared-memory report is in stderr, the cubin's bytes in .cubin (b"" on failure)."""
     arch = re.search(r"\.target (sm_\w+)", ptx)[1]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(ptx)
-        return subprocess.run([str(ptxas), f"-arch={arch}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+        done = subprocess.run([str(ptxas), f"-arch={arch}", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                               capture_output=True, text=True, check=check)
+        cubin = Path(tmp) / "k.cubin"
+        done.cubin = cubin.read_bytes() if cubin.exists() else b""
+        return done
+
+
+_SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_counts(nvdisasm: Path, cubin: bytes) -> tuple[Counter, list[Counter]]:
+    """Opcode counts of a cubin's SASS (count_sass of nvdisasm's listing)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.cubin").write_bytes(cubin)
+        return count_sass(subprocess.run([str(nvdisasm), "-c", f"{tmp}/k.cubin"], capture_output=True, text=True,
+                                         check=True).stdout.splitlines())
+
+
+def count_sass(lines: list[str]) -> tuple[Counter, list[Counter]]:
+    """Opcode counts (predicates and modifiers dropped) of an nvdisasm listing: of the whole kernel, and of each
+    loop (from a label to the backward branch that returns to it), in the order the loops end."""
+    labels = {m[1]: i for i, line in enumerate(lines) if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+
+    def ops(a: int, b: int) -> Counter:
+        return Counter(m[1] for line in lines[a:b] if (m := _SASS_OP.search(line)))
+
+    loops = [ops(labels[m[1]], i + 1) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA\s+`\(\.(L_x_\d+)\)", line)) and labels.get(m[1], i) < i]
+    return ops(0, len(lines)), loops
+
+
+def print_sass(name: str, nvdisasm: Path, cubin: bytes) -> None:
+    """A kernel's instruction counts (sass_counts), the 12 most frequent opcodes of each."""
+    def line(counts: Counter) -> str:
+        return f"{sum(counts.values()):,} instructions: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(12))
+
+    total, loops = sass_counts(nvdisasm, cubin)
+    print(f"{name}: {line(total)}")
+    for n, loop in enumerate(loops):
+        print(f"  loop {n}: {line(loop)}")
 
 
 def ptxas_registers(ptxas: Path, ptx: str) -> int:
@@ -275,7 +319,14 @@ def main() -> int:
                         help="gemv configurations for these weight shapes instead of gemv_config's")
     parser.add_argument("--matmul-precision", choices=("fp32", "bf16"), default="bf16",
                         help="the runner's matmul inputs (default bf16, the CUDA engine's default)")
+    parser.add_argument("--sass", metavar="NAME",
+                        help="also count the SASS instructions of kernels whose name contains NAME, per loop")
+    parser.add_argument("--nvdisasm", type=Path, help="nvdisasm for --sass (default: the CUDA home's)")
     args = parser.parse_args()
+    nvdisasm = args.nvdisasm or args.cuda_home / "bin" / "nvdisasm"
+    if args.sass and not nvdisasm.exists():
+        raise SystemExit(f"offline_compile: --sass needs nvdisasm: {nvdisasm} not found (--nvdisasm PATH; PyPI's "
+                         f"nvidia-cuda-nvdisasm ships one)")
     report: list = []
     install(args.cuda_home, report)
     if args.attention_warps:
@@ -287,7 +338,7 @@ def main() -> int:
                           dict(gemv_override(t) for t in args.gemv))
     print("| kernel | grid | block | registers | spill stores / loads (bytes) | shared memory (bytes) |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
-    failed, seen = 0, set()
+    failed, seen, sass = 0, set(), []
     for name, grid, block, done in report:
         if done.returncode:
             failed += 1
@@ -301,6 +352,10 @@ def main() -> int:
         if row not in seen:  # the same compiled kernel at other grids adds nothing
             seen.add(row)
             print(f"| {name} | {grid} | {block} | {row[1]} | {row[2]} | {row[3]} |")
+            if args.sass and args.sass in name:
+                sass.append((f"{name} (grid {grid}, block {block}, {row[1]} registers)", done.cubin))
+    for label, cubin in sass:
+        print_sass(label, nvdisasm, cubin)
     return 1 if failed else 0
 
 
