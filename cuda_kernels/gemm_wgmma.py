@@ -61,7 +61,7 @@ from cuda_kernels import split_k as split
 from cuda_kernels.split_k import check_split_args, meeting, split_range
 from cuda_kernels.wgmma import (TILE_ALIGN, TILE_K, WARPGROUP, aligned_start, fence_async_shared, swizzled, wgmma_k64,
                                 wgmma_wait)
-from numba import cuda, float32, int64, uint16
+from numba import cuda, float32, int64, uint16, uint32
 
 
 class WgmmaTile(NamedTuple):
@@ -109,21 +109,22 @@ def epilogue(bm: int, bn: int, gated: bool, planes_out: bool):
 
     @cuda.jit(device=True, inline=True)
     def store_tile(out, acc, group):
-        M, cols = out.shape[0], out.shape[1]
+        # NOTE: unsigned 32-bit indices: a signed index costs a wraparound test and select per store
+        M, cols = uint32(out.shape[0]), uint32(out.shape[1])
         lane = cuda.threadIdx.x % WARP
-        m_base = cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4
+        m_base = uint32(cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4)
         if gated:
-            f_base = cuda.blockIdx.y * HALF + 2 * (lane % 4)
+            f_base = uint32(cuda.blockIdx.y * HALF + 2 * (lane % 4))
             for j in range(NJ // 2):
                 for q in range(4):
-                    m, f = m_base + 8 * (q // 2), f_base + 8 * j + q % 2
+                    m, f = m_base + uint32(8 * (q // 2)), f_base + uint32(8 * j + q % 2)
                     if m < M and f < cols:
                         store(out, m, f, silu(acc[4 * j + q]) * acc[4 * (j + NJ // 2) + q])
         else:
-            n_base = cuda.blockIdx.y * bn + 2 * (lane % 4)
+            n_base = uint32(cuda.blockIdx.y * bn + 2 * (lane % 4))
             for j in range(NJ):
                 for q in range(4):
-                    m, n = m_base + 8 * (q // 2), n_base + 8 * j + q % 2
+                    m, n = m_base + uint32(8 * (q // 2)), n_base + uint32(8 * j + q % 2)
                     if m < M and n < cols:
                         store(out, m, n, acc[4 * j + q])
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
 from cuda_kernels.primitives import load_l2
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -87,10 +87,12 @@ def meeting(acc_len: int, threads: int):
         splits = cuda.gridDim.z
         tid = cuda.threadIdx.x
         holds = tid < threads
-        mine = (tile_id * splits + cuda.blockIdx.z) * acc_len * threads + tid
+        # NOTE: unsigned 32-bit indices (the workspace holds far fewer than 2^32 partials): a signed index costs
+        # a wraparound test and select per access
+        mine = uint32((tile_id * splits + cuda.blockIdx.z) * acc_len * threads + tid)
         if holds:
             for e in range(acc_len):
-                partials[mine + e * threads] = acc[e]
+                partials[mine + uint32(e * threads)] = acc[e]
         cuda.threadfence()   # the partials are visible device-wide before the count says so
         last = cuda.shared.array(1, int32)
         cuda.syncthreads()
@@ -110,9 +112,9 @@ def meeting(acc_len: int, threads: int):
         for z0 in range(0, splits, RED):
             for r in range(RED):
                 if z0 + r < splits:
-                    theirs = (tile_id * splits + z0 + r) * acc_len * threads + tid
+                    theirs = uint32((tile_id * splits + z0 + r) * acc_len * threads + tid)
                     for e in range(acc_len):
-                        batch[r, e] = load_l2(partials, theirs + e * threads)
+                        batch[r, e] = load_l2(partials, theirs + uint32(e * threads))
             for r in range(RED):
                 if z0 + r < splits:
                     for e in range(acc_len):
