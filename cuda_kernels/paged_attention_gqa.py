@@ -66,7 +66,7 @@ import math
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels import kv_format, pdl
 from cuda_kernels.attention import NEG_INF, SHARED_BUDGET, U64_ZERO
@@ -311,41 +311,45 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
                 live_next = b_next < b_end
                 phys_next = block_tables[seq, b_next] if live_next else 0
 
-        state = warp * SLOTS + slot
+        # (unsigned shared-memory indices here and in the merge: no wraparound test and select per access)
+        state = uint32(warp * SLOTS + slot)
         if sub == 0:
             for h in range(BLOCK_HEADS):
-                sm[state * BLOCK_HEADS + h] = m[h]
-                sl[state * BLOCK_HEADS + h] = l[h]
+                sm[state * uint32(BLOCK_HEADS) + uint32(h)] = m[h]
+                sl[state * uint32(BLOCK_HEADS) + uint32(h)] = l[h]
         for h in range(BLOCK_HEADS):
             for i in range(WORDS_PER_LANE):
-                w = sub + LANES_PER_KEY * i
-                if EVEN or w < ROW_WORDS:
+                w = uint32(sub + LANES_PER_KEY * i)
+                if EVEN or w < uint32(ROW_WORDS):
                     for c in range(E):
-                        sacc[state * STATE_STRIDE + h * D + E * w + c] = acc[(h * WORDS_PER_LANE + i) * E + c]
+                        sacc[state * uint32(STATE_STRIDE) + uint32(h * D + c) + uint32(E) * w] = \
+                            acc[(h * WORDS_PER_LANE + i) * E + c]
         cuda.syncthreads()
 
     @cuda.jit(device=True)
     def weigh(sm, sl, sw):
         """sw[state * BLOCK_HEADS + h] <- exp(m - M_h), M_h the block's max for head h (0 for a state without
         keys)."""
-        for t in range(cuda.threadIdx.x, ML_SIZE, THREADS):
-            h = t % BLOCK_HEADS
+        for i in range(cuda.threadIdx.x, ML_SIZE, THREADS):
+            t = uint32(i)
+            h = t % uint32(BLOCK_HEADS)
             big = NEG_INF
             for st in range(STATES):
-                big = max(big, sm[st * BLOCK_HEADS + h])
+                big = max(big, sm[uint32(st * BLOCK_HEADS) + h])
             big_safe = big if big != NEG_INF else float32(0)
             sw[t] = math.exp2(sm[t] - big_safe)
         cuda.syncthreads()
 
     @cuda.jit(device=True)
     def merged(sl, sacc, sw, h, dim):
-        """The block's (sum, acc[dim]) of head h: the states rescaled to the common max and added."""
+        """The block's (sum, acc[dim]) of head h: the states rescaled to the common max and added (h and dim
+        unsigned)."""
         total = float32(0)
         value = float32(0)
         for st in range(STATES):
-            e = sw[st * BLOCK_HEADS + h]
-            total += e * sl[st * BLOCK_HEADS + h]
-            value += e * sacc[st * STATE_STRIDE + h * D + dim]
+            e = sw[uint32(st * BLOCK_HEADS) + h]
+            total += e * sl[uint32(st * BLOCK_HEADS) + h]
+            value += e * sacc[uint32(st * STATE_STRIDE) + h * uint32(D) + dim]
         return total, value
 
     @cuda.jit
@@ -365,11 +369,12 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         weigh(sm, sl, sw)
         size = out.shape[0] * out.shape[1] * D
         for t in range(cuda.threadIdx.x, nh * D, THREADS):
-            h, dim = t // D, t % D
+            h, dim = uint32(t) // uint32(D), uint32(t) % uint32(D)
             total, value = merged(sl, sacc, sw, h, dim)
             result = value / total * v_scale if total > float32(0) else float32(0)
-            out[seq, h0 + h, dim] = result
-            store_planes(planes, size, (seq * out.shape[1] + h0 + h) * D + dim, result)
+            head = uint32(h0) + h
+            out[uint32(seq), head, dim] = result
+            store_planes(planes, size, (uint32(seq) * uint32(out.shape[1]) + head) * uint32(D) + dim, result)
 
     @cuda.jit
     def split_kernel(q, k_rows, v_rows, block_tables, context_lens, scale, v_scale, partition_blocks, partial_out,
@@ -392,15 +397,16 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         attend(q, k_rows, v_rows, block_tables, seq, kvh, h0, nh, b_begin, b_end, ctx, scale, sm, sl, sacc)
         weigh(sm, sl, sw)
         for t in range(cuda.threadIdx.x, nh * D, THREADS):
-            h, dim = t // D, t % D
+            h, dim = uint32(t) // uint32(D), uint32(t) % uint32(D)
             total, value = merged(sl, sacc, sw, h, dim)
-            partial_out[seq, h0 + h, part, dim] = value * v_scale
+            head = uint32(h0) + h
+            partial_out[uint32(seq), head, uint32(part), dim] = value * v_scale
             if dim == 0:
                 big = NEG_INF
                 for st in range(STATES):
-                    big = max(big, sm[st * BLOCK_HEADS + h])
-                partial_max[seq, h0 + h, part] = big * LN2   # back to natural units for the reduce
-                partial_sum[seq, h0 + h, part] = total
+                    big = max(big, sm[uint32(st * BLOCK_HEADS) + h])
+                partial_max[uint32(seq), head, uint32(part)] = big * LN2   # back to natural units for the reduce
+                partial_sum[uint32(seq), head, uint32(part)] = total
 
     return direct_kernel, split_kernel
 
