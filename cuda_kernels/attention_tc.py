@@ -57,8 +57,9 @@ operands. Q and P are fp32: each is split into three bf16 pieces, x = hi + mid +
 split_bf16x3), and each product is three mma into the same fp32 accumulators: every piece * bf16 product
 is exact, so S and P V are fp32 sums of exact products (3x the tensor-core work, still far above SIMT
 fp32). The scale, m, l, the rescaling exp(m_old - m_new) and the final division are fp32 (scores kept in log2
-units, so each exp is one exp2: online_softmax_step); a masked score is -inf before exp (p = 0 exactly) and a key slot past the block's last visible key is never loaded (staged as
-zeros: an unused slot may hold NaN, and 0 * NaN is NaN).
+units, so each exp is one exp2: online_softmax_step); a masked score is -inf before exp (p = 0 exactly) and a
+key slot past the block's last visible key is never loaded (staged as zeros: an unused slot may hold NaN, and
+0 * NaN is NaN).
 
 The step from the SIMT flash kernel: the same algorithm, with both matrix products on mma tiles, keeping S
 and P in registers between them.
@@ -189,8 +190,8 @@ def online_softmax_step(key_tiles: int, dim_tiles: int):
     (g and g + 8) in the mma D layout. sacc holds the tile's products <q, k>, -inf where masked (4 per n8 key
     tile: elements 0, 1 of row g, 2, 3 of row g + 8), and scale > 0 includes log2(e), so that x = scale <q, k>
     is a score in log2 units; they become p = 2^(x - m_new) = exp(s - m_new / log2(e)), m (the running max of
-    x, equal in the group's 4 lanes) moves to m_new, and this lane's running sums l and the O accumulators oacc (4 per n8 dim tile) are rescaled by
-    2^(m_old - m_new). A row that has seen no visible key yet keeps m = -inf and gets p = 0 (2^ against 0, not
+    x, equal in the group's 4 lanes) moves to m_new, and this lane's running sums l and the O accumulators oacc
+    (4 per n8 dim tile) are rescaled by 2^(m_old - m_new). A row that has seen no visible key yet keeps m = -inf and gets p = 0 (2^ against 0, not
     against -inf, which would give NaN).
     NOTE: exp2, not exp: one instruction a score (primitives.exp2_ftz), where exp is exp2 of x log2(e) plus a
     range reduction of a few instructions more, for each of a tile's scores (the launchers fold log2(e) into
