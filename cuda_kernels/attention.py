@@ -34,12 +34,13 @@ Versions:
   NAIVE_MAX_CONTEXT) and makes three passes: scores and their max, exp and their sum, the weighted sum of V.
   K and V are re-read from global memory by every query.
 - `prefill_attention` (flash attention, SIMT fp32): grid = (S, ceil(max_q_len * G / ROWS), Hkv). A block owns
-  ROWS query rows of one sequence and one KV head (which tile and head: row_tile, the longest tiles first), a
-  row being a (query token, query head of the group) pair, so the G query heads that share a KV head share
-  every K/V tile. It walks the keys in tiles of 32: the block stages a tile in shared memory (widened to
-  fp32), each warp scores it against its ROWS / WARPS rows (lane j owns key j of the tile), and updates each row's online softmax state: running max m, per-lane running sum
-  l, unnormalised accumulator acc (lane i owns dims i, i + 32, ...), rescaled by exp(m_old - m_new) when the
-  max grows. Nothing of size context is ever held, so any context length works, in one pass over K and V.
+  ROWS query rows of one sequence and one KV head (which tile and head: row_tile, the longest tiles first), a row
+  being a (query token, query head of the group) pair, so the G query heads that share a KV head share every K/V
+  tile. It walks the keys in tiles of 32: the block stages a tile in shared memory (widened to fp32), each warp
+  scores it against its ROWS / WARPS rows (lane j owns key j of the tile), and updates each row's online softmax
+  state: running max m, per-lane running sum l, unnormalised accumulator acc (lane i owns dims i, i + 32, ...),
+  rescaled by exp(m_old - m_new) when the max grows. Nothing of size context is ever held, so any context length
+  works, in one pass over K and V.
   ROWS and WARPS are the launcher's rows and warps (attention_policy.prefill_flash_config picks them).
 
 The step from naive to flash: the naive kernel needs the max of the whole row before it can exponentiate
