@@ -64,6 +64,7 @@ from cuda_kernels.primitives import WARP, warp_max, warp_sum
 
 NEG_INF = float32(-np.inf)
 U64_ZERO = np.uint64(0)        # typed constants (a numba type cast is slow in the simulator's inner loops)
+LOG2E = float32(1 / math.log(2))   # scores in log2 units: exp(s - m) = 2^(s log2(e) - m log2(e))
 TILE = WARP                    # keys per tile: one key per lane when scoring
 NAIVE_MAX_CONTEXT = 8192       # the naive kernel's row of scores lives in shared memory (32 KB)
 SHARED_BUDGET = 48 * 1024      # static shared memory per block without the opt-in attribute

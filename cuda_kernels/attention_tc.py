@@ -65,13 +65,12 @@ The step from the SIMT flash kernel: the same algorithm, with both matrix produc
 and P in registers between them.
 """
 
-import math
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, uint64
 
-from cuda_kernels.attention import NEG_INF, U64_ZERO, row_tile
+from cuda_kernels.attention import LOG2E, NEG_INF, U64_ZERO, row_tile
 from cuda_kernels.attention_args import check_prefill_args, folded_scales
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.kv_format import e4m3x4_to_bf16x4
@@ -82,7 +81,6 @@ from cuda_kernels.primitives import FULL_MASK, WARP, exp2_ftz, fmax
 
 TC_HEAD_DIMS = (16, 32, 64, 128)   # the head dims it compiles for
 TC_FORMATS = ("bf16", "fp8")   # the KV formats it reads (see the module docstring)
-LOG2E = 1 / math.log(2)        # scores in log2 units: exp(s - m) = 2^(s log2(e) - m log2(e))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cuda_kernels import kv_format, pdl
-from cuda_kernels.attention import NEG_INF, SHARED_BUDGET, U64_ZERO
+from cuda_kernels.attention import LOG2E, NEG_INF, SHARED_BUDGET, U64_ZERO
 from cuda_kernels.attention_args import check_decode_args, folded_scales
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.kv_format import WORD_ELEMS
@@ -78,7 +78,6 @@ from cuda_kernels.planes import planes_output, planes_store
 from cuda_kernels.paged_attention import MAX_WARPS, cache_rows, paged_attention_reduce
 from cuda_kernels.primitives import FULL_MASK, WARP
 
-LOG2E = float32(1 / math.log(2))
 LN2 = float32(math.log(2))
 # Lanes sharing one key (LANES_PER_KEY): 8, or 4 (fewer instructions per key, more registers; registers per
 # configuration: docs/performance.md, "decode attention"). attention_policy.decode_lanes_policy picks.
