@@ -24,7 +24,7 @@ At decode sizes the engine fuses this kernel's work into the QKV gemv's epilogue
 
 from functools import lru_cache
 
-from numba import cuda
+from numba import cuda, uint32
 
 from cuda_kernels import kv_format, pdl
 from cuda_kernels.compat import SIMULATOR
@@ -44,34 +44,48 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int, fmt:
     v_start = (num_heads + num_kv_heads) * head_dim
     encode = kv_format.codec(fmt)[0]
 
+    # NOTE: unsigned 32-bit index arithmetic (a token's row and the cache hold far fewer than 2^32 elements).
+    # With numba's signed int64 indices every // and % takes a floor fix-up, every array index a wraparound
+    # test and select, and a range() stepping by the run-time blockDim.x a 64-bit division for its trip count
+    # and a signed counter: hence while loops over an unsigned j, and the divisors are the factory's constants
+    # (a shift and a mask for d = 64). Instruction counts: docs/performance.md, "Fewer instructions per key tile".
+    HALF, D, HQ = uint32(half), uint32(head_dim), uint32(num_heads)
+    PAIRS, V_SIZE = uint32((num_heads + num_kv_heads) * half), uint32(num_kv_heads * head_dim)
+    V_START = uint32(v_start)
+
     @cuda.jit
     def rope_kv_write_kernel(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q_out, k_scale, v_scale):
         pdl.launch_dependents()
         pdl.grid_wait()
-        t = cuda.blockIdx.x
-        pos = positions[t]
+        t = uint32(cuda.blockIdx.x)
+        pos = uint32(positions[t])
         slot = slot_mapping[t]
-        block_size = k_cache.shape[1]
-        block, offset = slot // block_size, slot % block_size
-        for j in range(cuda.threadIdx.x, (num_heads + num_kv_heads) * half, cuda.blockDim.x):
-            head, i = j // half, j % half
-            base = head * head_dim  # Q heads first, then K heads, in the qkv row
+        block_size = uint32(k_cache.shape[1])
+        block, offset = uint32(slot) // block_size, uint32(slot) % block_size   # (used only where slot >= 0)
+        step = uint32(cuda.blockDim.x)
+        j = uint32(cuda.threadIdx.x)
+        while j < PAIRS:
+            head, i = j // HALF, j % HALF
+            base = head * D  # Q heads first, then K heads, in the qkv row
             x1 = qkv[t, base + i]
-            x2 = qkv[t, base + i + half]
+            x2 = qkv[t, base + i + HALF]
             c = cos[pos, i]
             s = sin[pos, i]
             out1 = x1 * c - x2 * s
             out2 = x2 * c + x1 * s
-            if head < num_heads:
+            if head < HQ:
                 q_out[t, head, i] = out1
-                q_out[t, head, i + half] = out2
+                q_out[t, head, i + HALF] = out2
             elif slot >= 0:
-                kv_head = head - num_heads
+                kv_head = head - HQ
                 k_cache[block, offset, kv_head, i] = encode(out1, k_scale)
-                k_cache[block, offset, kv_head, i + half] = encode(out2, k_scale)
+                k_cache[block, offset, kv_head, i + HALF] = encode(out2, k_scale)
+            j = uint32(j + step)
         if slot >= 0:
-            for j in range(cuda.threadIdx.x, num_kv_heads * head_dim, cuda.blockDim.x):
-                v_cache[block, offset, j // head_dim, j % head_dim] = encode(qkv[t, v_start + j], v_scale)
+            j = uint32(cuda.threadIdx.x)
+            while j < V_SIZE:
+                v_cache[block, offset, j // D, j % D] = encode(qkv[t, V_START + j], v_scale)
+                j = uint32(j + step)
 
     return rope_kv_write_kernel
 
