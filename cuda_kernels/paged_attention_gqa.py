@@ -76,7 +76,7 @@ from cuda_kernels.kv_format import WORD_ELEMS
 from cuda_kernels.launch import launch
 from cuda_kernels.planes import planes_output, planes_store
 from cuda_kernels.paged_attention import MAX_WARPS, cache_rows, paged_attention_reduce
-from cuda_kernels.primitives import FULL_MASK, WARP
+from cuda_kernels.primitives import FULL_MASK, WARP, exp2_ftz, fmax
 
 LN2 = float32(math.log(2))
 # Lanes sharing one key (LANES_PER_KEY): 8, or 4 (fewer instructions per key, more registers; registers per
@@ -217,12 +217,12 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
                     if score > m[h]:
                         # NOTE: rescale only when the max grows (m = -inf at first: c = 0, and l and acc are
                         # still 0), not once per key.
-                        c = math.exp2(m[h] - score)
+                        c = exp2_ftz(m[h] - score)
                         l[h] *= c
                         for a in range(WORDS_PER_LANE * E):
                             acc[h * WORDS_PER_LANE * E + a] *= c
                         m[h] = score
-                    p = math.exp2(score - m[h])
+                    p = exp2_ftz(score - m[h])
                     l[h] += p
                     sc[h] = p
                 for i in range(WORDS_PER_LANE):
@@ -334,9 +334,9 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
             h = t % uint32(BLOCK_HEADS)
             big = NEG_INF
             for st in range(STATES):
-                big = max(big, sm[uint32(st * BLOCK_HEADS) + h])
+                big = fmax(big, sm[uint32(st * BLOCK_HEADS) + h])
             big_safe = big if big != NEG_INF else float32(0)
-            sw[t] = math.exp2(sm[t] - big_safe)
+            sw[t] = exp2_ftz(sm[t] - big_safe)
         cuda.syncthreads()
 
     @cuda.jit(device=True)
@@ -403,7 +403,7 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
             if dim == 0:
                 big = NEG_INF
                 for st in range(STATES):
-                    big = max(big, sm[uint32(st * BLOCK_HEADS) + h])
+                    big = fmax(big, sm[uint32(st * BLOCK_HEADS) + h])
                 partial_max[uint32(seq), head, uint32(part)] = big * LN2   # back to natural units for the reduce
                 partial_sum[uint32(seq), head, uint32(part)] = total
 
