@@ -42,7 +42,7 @@ from functools import lru_cache
 import numpy as np
 
 from cuda_kernels import compat  # noqa: F401  (must precede the numba.cuda import)
-from numba import cuda, float32, float64, int32, int64, uint64
+from numba import cuda, float32, float64, int32, uint32, uint64
 
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch
@@ -73,6 +73,11 @@ def _jit_options(threads):
 # writes `wbuf` only after its first, so reductions may follow each other on the same buffers with no barrier
 # in between; a scan also reads `buf` after its second barrier, so the caller must pass a barrier before the
 # buffers of a scan are written again.
+#
+# NOTE: the helpers of the split argmax (and its kernels) index with unsigned 32-bit integers (V < 2^31, so
+# every index fits) in while loops: numba's signed int64 indices take a floor fix-up for every // and %, a
+# negative-wraparound test and select for every array index, and a range() stepping by the run-time
+# blockDim.x a 64-bit division for its trip count and a signed counter.
 
 @cuda.jit(device=True)
 def _beats(value, index, best, best_index):
@@ -87,15 +92,17 @@ def _beats(value, index, best, best_index):
 @cuda.jit(device=True)
 def _block_argmax(value, index, vbuf, ibuf, wv, wi):
     """The block's best (value, index) pair under `_beats`, to every thread. vbuf/ibuf [threads], wv/wi [32]."""
-    tid = cuda.threadIdx.x
-    nwarps = cuda.blockDim.x // WARP
+    tid = uint32(cuda.threadIdx.x)
+    nwarps = uint32(uint32(cuda.blockDim.x) // uint32(WARP))
     vbuf[tid] = value
     ibuf[tid] = index
     cuda.syncthreads()
     if tid < nwarps:
-        bv = vbuf[tid * WARP]
-        bi = ibuf[tid * WARP]
-        for j in range(tid * WARP + 1, tid * WARP + WARP):
+        j = uint32(tid * uint32(WARP))
+        bv = vbuf[j]
+        bi = ibuf[j]
+        for _ in range(WARP - 1):
+            j = uint32(j + uint32(1))
             if _beats(vbuf[j], ibuf[j], bv, bi):
                 bv = vbuf[j]
                 bi = ibuf[j]
@@ -104,10 +111,12 @@ def _block_argmax(value, index, vbuf, ibuf, wv, wi):
     cuda.syncthreads()
     bv = wv[0]
     bi = wi[0]
-    for w in range(1, nwarps):
+    w = uint32(1)
+    while w < nwarps:
         if _beats(wv[w], wi[w], bv, bi):
             bv = wv[w]
             bi = wi[w]
+        w = uint32(w + uint32(1))
     return bv, bi
 
 
@@ -213,12 +222,14 @@ def _load_round(x, base, step, end, xs):
     SM at 1024 resident threads, while by Little's law the H200's bandwidth times its DRAM latency asks for
     roughly 25 KB per SM (4.25 TB/s x ~0.8 us / 132 SMs); so every pass of the split kernels loads a round into
     xs (a local array of UNROLL float32 that the compiler keeps in registers) before it uses any of it. The index
-    is cast to uint64 for the load: numba then omits its negative-index wraparound (3 instructions a load).
+    is cast to uint64 for the load: numba then omits its negative-index wraparound (3 instructions a load). It
+    steps by adding `step`, so unsigned base and step (the split argmax's) keep it unsigned throughout.
     """
+    j = base
     for k in range(UNROLL):
-        j = base + k * step
         if j < end:
             xs[k] = x[uint64(j)]
+        j += step
 
 
 @cuda.jit(device=True)
@@ -229,21 +240,22 @@ def _chunk_argmax(x, start, end, xs):
     loses to every real element. The argmax ignores the smallest value (the compiler drops it there); `sample`
     needs it for T < 0.
     """
-    step = cuda.blockDim.x
+    step = uint32(cuda.blockDim.x)
     best = float32(-np.inf)
     best_index = int32(NO_INDEX)
     lowest = float32(np.inf)
-    base = start + cuda.threadIdx.x
-    while base < end:
-        _load_round(x, base, step, end, xs)
+    stop = uint32(end)
+    base = uint32(start + cuda.threadIdx.x)
+    while base < stop:
+        _load_round(x, base, step, stop, xs)
         for k in range(UNROLL):
-            j = base + k * step
-            if j < end:
-                if _beats(xs[k], j, best, best_index):
+            j = uint32(base + uint32(k * step))
+            if j < stop:
+                if _beats(xs[k], int32(j), best, best_index):
                     best = xs[k]
                     best_index = int32(j)
                 lowest = min(lowest, xs[k])
-        base += UNROLL * step
+        base = uint32(base + uint32(UNROLL * step))
     return best, best_index, lowest
 
 
@@ -255,11 +267,15 @@ def _merge_argmax(x, indices, vbuf, ibuf, wv, wi):
     partial one integer. Every partition is non-empty (P = ceil(V / chunk)), so every index is a real one."""
     best = float32(-np.inf)
     best_index = int32(NO_INDEX)
-    for q in range(cuda.threadIdx.x, indices.shape[0], cuda.blockDim.x):
+    count, step = uint32(indices.shape[0]), uint32(cuda.blockDim.x)
+    q = uint32(cuda.threadIdx.x)
+    while q < count:
         i = int32(indices[q])
-        if _beats(x[i], i, best, best_index):
-            best = x[i]
+        value = x[uint32(i)]
+        if _beats(value, i, best, best_index):
+            best = value
             best_index = i
+        q = uint32(q + step)
     value, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
     return float32(value), index
 
@@ -311,14 +327,14 @@ def _argmax_partial_kernel(threads):
         wv = cuda.shared.array(WARP, float64)
         wi = cuda.shared.array(WARP, int32)
         xs = cuda.local.array(UNROLL, float32)
-        row = cuda.blockIdx.x
-        part = cuda.blockIdx.y
-        start = int64(part) * chunk
-        end = min(int64(logits.shape[1]), start + chunk)
-        best, best_index, _ = _chunk_argmax(logits[uint64(row)], start, end, xs)
+        row = uint32(cuda.blockIdx.x)
+        part = uint32(cuda.blockIdx.y)
+        start = uint32(part * uint32(chunk))
+        end = min(uint32(logits.shape[1]), uint32(start + uint32(chunk)))
+        best, best_index, _ = _chunk_argmax(logits[row], start, end, xs)
         _, index = _block_argmax(float64(best), best_index, vbuf, ibuf, wv, wi)
         if cuda.threadIdx.x == 0:
-            part_index[int64(row) * cuda.gridDim.y + part] = index
+            part_index[uint32(row * uint32(cuda.gridDim.y) + part)] = index
 
     return argmax_partial_kernel
 
@@ -333,9 +349,9 @@ def _argmax_merge_kernel(threads):
         ibuf = cuda.shared.array(threads, int32)
         wv = cuda.shared.array(WARP, float64)
         wi = cuda.shared.array(WARP, int32)
-        row = cuda.blockIdx.x
-        first = int64(row) * parts
-        _, index = _merge_argmax(logits[row], part_index[first:first + parts], vbuf, ibuf, wv, wi)
+        row = uint32(cuda.blockIdx.x)
+        first = uint32(row * uint32(parts))
+        _, index = _merge_argmax(logits[row], part_index[first:uint32(first + uint32(parts))], vbuf, ibuf, wv, wi)
         if cuda.threadIdx.x == 0:
             out[row] = index
 

@@ -18,7 +18,7 @@ Versions: v1 only; these are pure memory copies of one row per token and cost li
 
 from functools import lru_cache
 
-from numba import cuda
+from numba import cuda, uint32
 
 from cuda_kernels.compat import SIMULATOR
 from cuda_kernels.launch import launch
@@ -32,14 +32,21 @@ THREADS = 256 if SIMULATOR else 512
 # kernels
 
 
+# NOTE: unsigned 32-bit indices and while loops (rows and ids are far below 2^32, and ids are never negative):
+# numba's range() stepping by the run-time blockDim.x takes a 64-bit division for its trip count and a signed
+# counter, and every signed array index a negative-wraparound test and a select.
+
 @lru_cache(maxsize=None)
 def _embedding_kernel():
     @cuda.jit
     def embedding_kernel(token_ids, table, out):
-        row = cuda.blockIdx.x
-        token = token_ids[row]
-        for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        row = uint32(cuda.blockIdx.x)
+        token = uint32(token_ids[row])
+        width, step = uint32(out.shape[1]), uint32(cuda.blockDim.x)
+        col = uint32(cuda.threadIdx.x)
+        while col < width:
             out[row, col] = bf16_to_f32(table[token, col])
+            col = uint32(col + step)
 
     return embedding_kernel
 
@@ -48,10 +55,13 @@ def _embedding_kernel():
 def _gather_rows_kernel():
     @cuda.jit
     def gather_rows_kernel(x, indices, out):
-        row = cuda.blockIdx.x
-        src = indices[row]
-        for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        row = uint32(cuda.blockIdx.x)
+        src = uint32(indices[row])
+        width, step = uint32(out.shape[1]), uint32(cuda.blockDim.x)
+        col = uint32(cuda.threadIdx.x)
+        while col < width:
             out[row, col] = x[src, col]
+            col = uint32(col + step)
 
     return gather_rows_kernel
 

@@ -27,7 +27,7 @@ Versions: v1 (restructured as above); v2 the same with the planes output.
 import math
 from functools import lru_cache
 
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from cuda_kernels import pdl
 from cuda_kernels.compat import SIMULATOR
@@ -49,24 +49,27 @@ def _rmsnorm_kernel(fused: bool, h: int, threads: int, pieces: int = 0):
     """pieces: 0 (no planes output), 1 or 3 (out's bf16 planes as well, see the module docstring)."""
     C = -(-h // threads)   # columns per thread
     store_planes = planes_store(pieces)
+    # NOTE: unsigned 32-bit indices (a row, and the planes of all T rows, hold far fewer than 2^32 elements):
+    # with numba's signed int64 ones every array index takes a negative-wraparound test and a select.
+    H = uint32(h)
 
     @cuda.jit(device=True, inline=True)
     def body(x, residual, weight, eps, out, planes):
         scratch = cuda.shared.array(32, float32)
         w = cuda.local.array(C, float32)
         v = cuda.local.array(C, float32)
-        row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
+        row = uint32(cuda.blockIdx.x)
+        tid = uint32(cuda.threadIdx.x)
         pdl.launch_dependents()
         for i in range(C):
-            col = tid + i * threads
-            w[i] = bf16_to_f32(weight[col]) if col < h else float32(0)
+            col = uint32(tid + uint32(i * threads))
+            w[i] = bf16_to_f32(weight[col]) if col < H else float32(0)
         pdl.grid_wait()
         squares = float32(0)
         for i in range(C):
-            col = tid + i * threads
+            col = uint32(tid + uint32(i * threads))
             value = float32(0)
-            if col < h:
+            if col < H:
                 value = x[row, col]
                 if fused:
                     value += residual[row, col]
@@ -75,13 +78,13 @@ def _rmsnorm_kernel(fused: bool, h: int, threads: int, pieces: int = 0):
             squares += value * value
         # NOTE: fp32 accumulation of the squares, as the reference; eps inside the square root.
         inv_rms = float32(1) / math.sqrt(block_sum(squares, scratch) / float32(h) + float32(eps))
-        size = out.shape[0] * h
+        size = uint32(out.shape[0] * h)
         for i in range(C):
-            col = tid + i * threads
-            if col < h:
+            col = uint32(tid + uint32(i * threads))
+            if col < H:
                 result = v[i] * inv_rms * w[i]
                 out[row, col] = result
-                store_planes(planes, size, row * h + col, result)
+                store_planes(planes, size, uint32(row * H + col), result)
 
     if pieces:
         @cuda.jit

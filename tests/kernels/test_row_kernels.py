@@ -20,9 +20,11 @@ from reference.kv_format import kv_decode
 seeds = st.integers(0, 2**32 - 1)
 hidden = sizes(70, [2048, 576], 3000)
 tokens = sizes(5, [1, 7, 64, 256], 300)
+# embedding and gather_rows: also a row wider than the simulator's 256 threads (a second pass over the columns)
+row_widths = st.one_of(hidden, st.just(pick(300, 2048)))
 
 
-@given(seeds, tokens, hidden, st.sampled_from(pick([1, 7, 50], [1, 49152, 128256])))
+@given(seeds, tokens, row_widths, st.sampled_from(pick([1, 7, 50], [1, 49152, 128256])))
 def test_embedding(seed, t, h, vocab):
     rng = np.random.default_rng(seed)
     table, d_table = random_bf16((vocab, h))
@@ -32,7 +34,7 @@ def test_embedding(seed, t, h, vocab):
     assert_close(out, ref_embedding.embedding(ids, table), atol=0, rtol=0)
 
 
-@given(seeds, tokens, sizes(9, [1, 64, 256]), hidden)
+@given(seeds, tokens, sizes(9, [1, 64, 256]), row_widths)
 def test_gather_rows(seed, s, t, h):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((t, h), dtype=np.float32)

@@ -25,6 +25,7 @@ from cuda_kernels import argmax as am
 from cuda_kernels import sampling as kernels
 from cuda_kernels import sampling_policy as sp
 from cuda_kernels import sampling_steps as steps
+from cuda_kernels.launch import launch
 from reference import sampling as ref
 
 seeds = st.integers(0, 2**32 - 1)
@@ -294,6 +295,21 @@ def test_split_argmax_rounds_of_loads_and_the_default_policy():
     row = make_row(rng, "ties", v)
     row[[c - 1, c, 2 * c]] = 50.0
     assert launch_split_argmax(row[None]).tolist() == [c - 1]
+
+
+def test_split_argmax_merge_with_more_partials_than_threads():
+    """Stage 2 where each thread merges several partials (t, t + threads, ...): the launcher gives it that only
+    past 1024 partitions, so both stages are launched here directly, with the maximum tied across the passes."""
+    rng = np.random.default_rng(34)
+    threads, parts, chunk = 32, 70, 3                    # partials 0-31, 32-63, 64-69: three passes
+    vocab = parts * chunk
+    logits = np.stack([make_argmax_row(rng, k, vocab, chunk) for k in ("normal", "nan", "boundary_ties", "ties")])
+    logits[3, [45 * chunk + 1, 69 * chunk, 66 * chunk + 2]] = 100.0   # the winner in the second pass
+    d_logits, part_index, out = to_device(logits), device_empty(len(logits) * parts, np.int32), \
+        device_empty(len(logits), np.int32)
+    launch(am._argmax_partial_kernel(threads), (len(logits), parts), threads, 0, d_logits, chunk, part_index)
+    launch(am._argmax_merge_kernel(threads), len(logits), threads, 0, d_logits, part_index, parts, out)
+    np.testing.assert_array_equal(out.copy_to_host(), ref.argmax(logits))
 
 
 def test_split_argmax_strided_logits():
