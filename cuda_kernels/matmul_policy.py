@@ -178,6 +178,13 @@ TMA_DECODE_MIN_M = 17
 # split's partials alone, so each split costs the tile's tail more than its blocks gain in weight bandwidth.
 # The 128-row tile keeps gemm_wgmma's rule: the same change held batch 128 (+0.5%) and was not timed at 256.
 TMA_DECODE_SPLITS = {64: (SM_COUNT // 2, 16), WGMMA_MIN_M - 1: (SM_COUNT, WGMMA_MIN_SPLIT_SLABS)}
+# From TMA_DECODE_WIDE_MIN_M rows, a weight whose grid of TMA_DECODE_WIDE_TILE tiles has TMA_MIN_BLOCKS blocks (the
+# 1B model's gate/up and LM head) takes that tile over the whole K, as prefill does: four consumer warpgroups
+# share each W slab, and every W tile is read by one block instead of two. NOTE: on gate/up at 256 rows it took
+# 0.70 of the 128-row tile's time; on the weights with fewer column tiles (16-24 blocks) it lost by 1.3-3.2x
+# (docs/performance.md, "gemm_tma").
+TMA_DECODE_WIDE_TILE = TmaTile(256, 128, 4)
+TMA_DECODE_WIDE_MIN_M = 129
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -412,10 +419,14 @@ def uses_tma(m: int) -> bool:
 
 def tma_plan(m: int, n: int, k: int) -> tuple[TmaTile, int]:
     """(tile, splits) of gemm_tma for x (m, k) @ W (n, k)^T: tma_tile(m, n) over the whole K from WGMMA_MIN_M
-    rows; below, the first of TMA_DECODE_TILES whose rows cover m with K split as TMA_DECODE_SPLITS says for those
+    rows; from TMA_DECODE_WIDE_MIN_M rows TMA_DECODE_WIDE_TILE over the whole K where its grid has TMA_MIN_BLOCKS
+    blocks; else the first of TMA_DECODE_TILES whose rows cover m with K split as TMA_DECODE_SPLITS says for those
     rows (split_count: about that many blocks, splits of at least that many slabs). n: the weight's rows."""
     if m >= WGMMA_MIN_M:
         return tma_tile(m, n), 1
+    wide = TmaTile(*TMA_DECODE_WIDE_TILE)
+    if m >= TMA_DECODE_WIDE_MIN_M and gemm_tma.tiles(wide, m, n) >= TMA_MIN_BLOCKS:
+        return wide, 1
     rows = next(r for r in TMA_DECODE_TILES if m <= r)
     # (TmaTile of a plain tuple too: tools/profile_step.py --set gives literals)
     tile, (blocks, min_slabs) = TmaTile(*TMA_DECODE_TILES[rows]), TMA_DECODE_SPLITS[rows]

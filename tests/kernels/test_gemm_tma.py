@@ -120,15 +120,19 @@ def test_gemm_tma_split_k(tile, epilogue, seed, m, n, slabs, data):
 
 
 def test_tma_plans():
-    """matmul_policy.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes the first decode tile
-    whose rows cover M, with splits as TMA_DECODE_SPLITS says for its rows and none empty or short, which
-    split_workspace_sizes covers for the 1B model's weights."""
+    """matmul_policy.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes from 129 rows the
+    wide tile unsplit for a weight of enough column tiles (gate/up, the LM head), else the first decode tile whose rows cover M,
+    with splits as TMA_DECODE_SPLITS says for its rows and none empty or short, which split_workspace_sizes covers
+    for the 1B model's weights."""
     partials, counters = mp.split_workspace_sizes(LLAMA_1B_MATMULS, True)
     assert mp.tma_plan(1024, 16384, 2048) == (mp.tma_tile(1024, 16384), 1) == (gt.TmaTile(256, 128, 4), 1)
     assert mp.tma_plan(1024, 2048, 2048) == (gt.TmaTile(128, 128, 6), 1)   # 256-row tiles: 64 blocks, too few
     for n, k, _ in LLAMA_1B_MATMULS:
         for m in range(mp.wgmma_split_min_m(n, k), mp.WGMMA_MIN_M):
             tile, splits = mp.tma_plan(m, n, k)
+            if m >= mp.TMA_DECODE_WIDE_MIN_M and n in (16384, 128256):   # gate/up, LM head: 128, 1,002 wide tiles
+                assert (tile, splits) == (mp.TMA_DECODE_WIDE_TILE, 1)
+                continue
             assert tile == mp.TMA_DECODE_TILES[min(r for r in mp.TMA_DECODE_TILES if r >= m)]
             slabs, tiles = -(-k // 64), gt.tiles(tile, m, n)
             assert splits in valid_splits(slabs)
@@ -139,7 +143,9 @@ def test_tma_plans():
     assert mp.tma_plan(64, 2048, 8192) == (gt.TmaTile(64, 128, 8), 4)     # down: 16 tiles x 4 splits of 32 slabs
     assert mp.tma_plan(128, 3072, 2048) == (gt.TmaTile(128, 128, 6), 4)   # QKV: 24 tiles x 4 splits of 8 slabs
     assert mp.tma_plan(17, 2048, 2048) == (gt.TmaTile(64, 128, 8), 2)     # O from TMA_DECODE_MIN_M rows
-    assert mp.tma_plan(256, 16384, 2048) == (gt.TmaTile(128, 128, 6), 1)  # gate/up: 256 tiles, no split
+    assert mp.tma_plan(128, 16384, 2048) == (gt.TmaTile(128, 128, 6), 1)  # gate/up: 128 tiles, no split
+    assert mp.tma_plan(129, 16384, 2048) == (gt.TmaTile(256, 128, 4), 1)  # the wide tile: 128 blocks
+    assert mp.tma_plan(256, 2048, 8192) == (gt.TmaTile(128, 128, 6), 4)   # down: 16 wide tiles would be too few
 
 
 def test_entry_points_take_the_tma_decode_plan(monkeypatch):
