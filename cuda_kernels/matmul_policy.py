@@ -182,7 +182,7 @@ TMA_DECODE_SPLITS = {64: (SM_COUNT // 2, 16), WGMMA_MIN_M - 1: (SM_COUNT, WGMMA_
 # 1B model's gate/up and LM head) takes that tile over the whole K, as prefill does: four consumer warpgroups
 # share each W slab, and every W tile is read by one block instead of two. NOTE: on gate/up at 256 rows it took
 # 0.70 of the 128-row tile's time; on the weights with fewer column tiles (16-24 blocks) it lost by 1.3-3.2x
-# (docs/performance.md, "gemm_tma").
+# (docs/performance.md, "Decode batches of 129-256 rows").
 TMA_DECODE_WIDE_TILE = TmaTile(256, 128, 4)
 TMA_DECODE_WIDE_MIN_M = 129
 
