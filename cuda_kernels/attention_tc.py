@@ -189,8 +189,8 @@ def online_softmax_step(key_tiles: int, dim_tiles: int):
     tile: elements 0, 1 of row g, 2, 3 of row g + 8), and scale > 0 includes log2(e), so that x = scale <q, k>
     is a score in log2 units; they become p = 2^(x - m_new) = exp(s - m_new / log2(e)), m (the running max of
     x, equal in the group's 4 lanes) moves to m_new, and this lane's running sums l and the O accumulators oacc
-    (4 per n8 dim tile) are rescaled by 2^(m_old - m_new). A row that has seen no visible key yet keeps m = -inf and gets p = 0 (2^ against 0, not
-    against -inf, which would give NaN).
+    (4 per n8 dim tile) are rescaled by 2^(m_old - m_new). A row that has seen no visible key yet keeps m = -inf
+    and gets p = 0 (2^ against 0, not against -inf, which would give NaN).
     NOTE: exp2, not exp: one instruction a score (primitives.exp2_ftz), where exp is exp2 of x log2(e) plus a
     range reduction of a few instructions more, for each of a tile's scores (the launchers fold log2(e) into
     the score scale)."""

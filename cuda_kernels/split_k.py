@@ -45,9 +45,10 @@ def partials_size(tiles: int, splits: int, bm: int, bn: int) -> int:
 
 def check_split_args(kernel: str, splits: int, slabs: int, slab_k: int, split_workspace, tiles: int,
                      tile_elems: int):
-    """Check a split launch's arguments: `splits` leaves no share of `slabs` K slabs (of slab_k) empty, and split_workspace (when
-    splits > 1) is (float32 partials of at least tiles * splits * tile_elems, int32 counters of at least
-    tiles). Returns (partials, counters), or None for splits = 1; a ValueError names the kernel and the need."""
+    """Check a split launch's arguments: `splits` leaves no share of `slabs` K slabs (of slab_k) empty, and
+    split_workspace (when splits > 1) is (float32 partials of at least tiles * splits * tile_elems, int32 counters
+    of at least tiles). Returns (partials, counters), or None for splits = 1; a ValueError names the kernel and
+    the need."""
     if splits not in valid_splits(slabs):
         raise ValueError(f"{kernel}: {splits} splits of {slabs} slabs of {slab_k} would leave a split empty "
                          f"(see valid_splits)")

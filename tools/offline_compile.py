@@ -9,8 +9,8 @@ the simulator can still fail to compile for the device (a libdevice function tha
 intrinsic with a wrong signature), or compile into register spills. This tool finds those on any machine
 that has the CUDA toolkit's compiler parts (NVVM with libdevice, and ptxas): it builds a one-layer
 Llama-3.2-1B-shaped CUDA runner on fake device arrays and runs a sampled prefill step and greedy decode
-steps at batch 1, 8, 16, 64, 128 and 256 with every launch intercepted. Each kernel is compiled by Numba to PTX for compute
-capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
+steps at batch 1, 8, 16, 64, 128 and 256 with every launch intercepted. Each kernel is compiled by Numba to PTX
+for compute capability 9.0, with the target options it was declared with, and assembled by `ptxas -v`; a table of
 registers, spills and shared memory per kernel is printed. Nothing executes, so nothing is checked for
 correctness: that is what the GPU test profile is for.
 

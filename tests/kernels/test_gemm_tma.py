@@ -121,9 +121,9 @@ def test_gemm_tma_split_k(tile, epilogue, seed, m, n, slabs, data):
 
 def test_tma_plans():
     """matmul_policy.tma_plan: at prefill sizes tma_tile's tile over the whole K; at decode sizes from 129 rows the
-    wide tile unsplit for a weight of enough column tiles (gate/up, the LM head), else the first decode tile whose rows cover M,
-    with splits as TMA_DECODE_SPLITS says for its rows and none empty or short, which split_workspace_sizes covers
-    for the 1B model's weights."""
+    wide tile unsplit for a weight of enough column tiles (gate/up, the LM head), else the first decode tile whose
+    rows cover M, with splits as TMA_DECODE_SPLITS says for its rows and none empty or short, which
+    split_workspace_sizes covers for the 1B model's weights."""
     partials, counters = mp.split_workspace_sizes(LLAMA_1B_MATMULS, True)
     assert mp.tma_plan(1024, 16384, 2048) == (mp.tma_tile(1024, 16384), 1) == (gt.TmaTile(256, 128, 4), 1)
     assert mp.tma_plan(1024, 2048, 2048) == (gt.TmaTile(128, 128, 6), 1)   # 256-row tiles: 64 blocks, too few
