@@ -74,10 +74,8 @@ def _jit_options(threads):
 # in between; a scan also reads `buf` after its second barrier, so the caller must pass a barrier before the
 # buffers of a scan are written again.
 #
-# NOTE: the helpers of the split argmax (and its kernels) index with unsigned 32-bit integers (V < 2^31, so
-# every index fits) in while loops: numba's signed int64 indices take a floor fix-up for every // and %, a
-# negative-wraparound test and select for every array index, and a range() stepping by the run-time
-# blockDim.x a 64-bit division for its trip count and a signed counter.
+# NOTE: the helpers of the split argmax (and its kernels) index with unsigned 32-bit integers in while loops
+# (V < 2^31, so every index fits): primitives' module docstring, "Index arithmetic".
 
 @cuda.jit(device=True)
 def _beats(value, index, best, best_index):
@@ -93,7 +91,7 @@ def _beats(value, index, best, best_index):
 def _block_argmax(value, index, vbuf, ibuf, wv, wi):
     """The block's best (value, index) pair under `_beats`, to every thread. vbuf/ibuf [threads], wv/wi [32]."""
     tid = uint32(cuda.threadIdx.x)
-    nwarps = uint32(uint32(cuda.blockDim.x) // uint32(WARP))
+    nwarps = uint32(uint32(cuda.blockDim.x) // uint32(WARP))   # (uint32 // uint32 widens to 64 bits)
     vbuf[tid] = value
     ibuf[tid] = index
     cuda.syncthreads()

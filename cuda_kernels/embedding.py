@@ -33,8 +33,7 @@ THREADS = 256 if SIMULATOR else 512
 
 
 # NOTE: unsigned 32-bit indices and while loops (rows and ids are far below 2^32, and ids are never negative):
-# numba's range() stepping by the run-time blockDim.x takes a 64-bit division for its trip count and a signed
-# counter, and every signed array index a negative-wraparound test and a select.
+# primitives' module docstring, "Index arithmetic".
 
 @lru_cache(maxsize=None)
 def _embedding_kernel():

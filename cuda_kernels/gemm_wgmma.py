@@ -109,7 +109,7 @@ def epilogue(bm: int, bn: int, gated: bool, planes_out: bool):
 
     @cuda.jit(device=True, inline=True)
     def store_tile(out, acc, group):
-        # NOTE: unsigned 32-bit indices: a signed index costs a wraparound test and select per store
+        # NOTE: unsigned 32-bit indices (primitives' module docstring, "Index arithmetic")
         M, cols = uint32(out.shape[0]), uint32(out.shape[1])
         lane = cuda.threadIdx.x % WARP
         m_base = uint32(cuda.blockIdx.x * bm + 64 * group + 16 * ((cuda.threadIdx.x % WARPGROUP) // WARP) + lane // 4)

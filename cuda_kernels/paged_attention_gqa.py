@@ -174,7 +174,7 @@ def _gqa_kernels(head_dim: int, block_size: int, num_kv_heads: int, group: int, 
         """Issue the loads of the lane's KEYS_PER_SLOT keys c0 + u * SLOTS + slot of KV block b (physical block
         phys): its words of their K and V rows, 0 for a key at or past `limit` (or past the block)."""
         lane = cuda.threadIdx.x % WARP
-        # NOTE: unsigned indices: no wraparound code per load
+        # NOTE: unsigned indices (primitives' module docstring, "Index arithmetic")
         slot, col = lane // LANES_PER_KEY, uint64(lane % LANES_PER_KEY)
         for u in range(KEYS_PER_SLOT):
             off = c0 + u * SLOTS + slot

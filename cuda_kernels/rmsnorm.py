@@ -50,7 +50,7 @@ def _rmsnorm_kernel(fused: bool, h: int, threads: int, pieces: int = 0):
     C = -(-h // threads)   # columns per thread
     store_planes = planes_store(pieces)
     # NOTE: unsigned 32-bit indices (a row, and the planes of all T rows, hold far fewer than 2^32 elements):
-    # with numba's signed int64 ones every array index takes a negative-wraparound test and a select.
+    # primitives' module docstring, "Index arithmetic".
     H = uint32(h)
 
     @cuda.jit(device=True, inline=True)

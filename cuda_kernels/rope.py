@@ -44,11 +44,9 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int, fmt:
     v_start = (num_heads + num_kv_heads) * head_dim
     encode = kv_format.codec(fmt)[0]
 
-    # NOTE: unsigned 32-bit index arithmetic (a token's row and the cache hold far fewer than 2^32 elements).
-    # With numba's signed int64 indices every // and % takes a floor fix-up, every array index a wraparound
-    # test and select, and a range() stepping by the run-time blockDim.x a 64-bit division for its trip count
-    # and a signed counter: hence while loops over an unsigned j, and the divisors are the factory's constants
-    # (a shift and a mask for d = 64). Instruction counts: docs/performance.md, "More kernels of the decode step".
+    # NOTE: unsigned 32-bit index arithmetic and while loops over an unsigned j (a token's row and the cache hold
+    # far fewer than 2^32 elements; primitives' module docstring, "Index arithmetic"); the divisors are the
+    # factory's constants (a shift and a mask for d = 64).
     HALF, D, HQ = uint32(half), uint32(head_dim), uint32(num_heads)
     PAIRS, V_SIZE = uint32((num_heads + num_kv_heads) * half), uint32(num_kv_heads * head_dim)
     V_START = uint32(v_start)

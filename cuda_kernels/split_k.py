@@ -88,8 +88,8 @@ def meeting(acc_len: int, threads: int):
         splits = cuda.gridDim.z
         tid = cuda.threadIdx.x
         holds = tid < threads
-        # NOTE: unsigned 32-bit indices (the workspace holds far fewer than 2^32 partials): a signed index costs
-        # a wraparound test and select per access
+        # NOTE: unsigned 32-bit indices (the workspace holds far fewer than 2^32 partials; primitives' module
+        # docstring, "Index arithmetic")
         mine = uint32((tile_id * splits + cuda.blockIdx.z) * acc_len * threads + tid)
         if holds:
             for e in range(acc_len):
