@@ -18,14 +18,13 @@ Rules for callers (both implementations rely on them):
 for data other blocks of the running grid wrote. `exp2_ftz(x)` is 2^x and `fmax(a, b)` the larger of two values,
 each in one instruction (ex2.approx.ftz, fmaxf).
 
-Index arithmetic (the kernels' one rule, cited by their NOTEs as "primitives: index arithmetic"): numba types
-integer arithmetic in signed 64 bits, so every // and % takes a floor fix-up, every array index a
-negative-wraparound test and a select, and a ``range(threadIdx.x, n, blockDim.x)`` a 64-bit division for its
-trip count and a signed counter. Where an index is known to be small and non-negative (a row, a cache slot,
-a workspace offset: far below 2^32) the kernels hold it in uint32, cast back after each operation
-(``uint32(a + b)``: numba widens uint32 + uint32 to 64 bits), and stride with ``while j < n: ...; j += step``.
-The instruction counts this saved: docs/performance.md ("Fewer instructions per key tile", "More kernels of
-the decode step").
+Index arithmetic (the kernels' NOTEs about unsigned indices point here): numba types integer arithmetic in
+signed 64 bits, so every // and % takes a floor fix-up, every array index a negative-wraparound test and a
+select, and a ``range(threadIdx.x, n, blockDim.x)`` a 64-bit division for its trip count and a signed counter.
+Where an index is known to be small and non-negative (a row, a cache slot, a workspace offset: far below 2^32)
+the kernels hold it in uint32, cast back after each operation (``uint32(a + b)``: numba widens uint32 + uint32
+to 64 bits), and stride with ``while j < n: ...; j += step``. The instruction counts this saved:
+docs/performance.md ("Fewer instructions per key tile", "More kernels of the decode step").
 
 bf16 -> f32 is exact (the bits become the upper half of an fp32). f32 -> bf16 rounds to nearest, ties to
 even, as reference/bf16.py does: ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``, NaN kept a quiet NaN.

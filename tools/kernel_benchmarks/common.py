@@ -40,8 +40,8 @@ class Case:
 def time_launch(launch: Callable[[object], None], repeats: int = 50, rounds: int = 3) -> float:
     """Mean seconds per launch: `repeats` launches captured in a graph, replayed between CUDA events, the best
     of `rounds` replays (in the simulator: the wall time of one eager launch).
-    NOTE: the best of several, because a run's first timed replay could read slow (the first case of a run
-    once took 1.24x the time of the same kernel timed later in that run)."""
+    NOTE: the best of several, because a run's first timed replay could read slower than the same kernel
+    timed later in that run."""
     if SIMULATOR:
         start = time.perf_counter()
         launch(0)
